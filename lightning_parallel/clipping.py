@@ -1,0 +1,68 @@
+"""Gradient clipping by the norm of the *whole* model, when the model is split across ranks.
+
+Lightning clips with ``torch.nn.utils.clip_grad_norm_`` over the local parameters. Under tensor
+parallelism a sharded parameter's norm is spread over the TP group, and under pipeline parallelism
+every stage holds different parameters, so the local norm is wrong. The global squared norm is the
+sum over TP shards and pipeline stages of local squared norms, where a parameter replicated across TP
+ranks (a LayerNorm weight) is counted on TP rank 0 only and a weight tied between two stages on one
+of them only (Megatron-LM's ``param_is_not_tensor_parallel_duplicate`` rule, Shoeybi et al. 2019).
+Data-parallel replicas hold identical gradients after the all-reduce, so no DP reduction is needed.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from lightning_parallel.mesh import ParallelMesh
+
+
+def global_grad_norm(
+    params: Iterable[torch.nn.Parameter],
+    mesh: ParallelMesh,
+    counted_once: Callable[[torch.nn.Parameter], bool] = lambda p: True,
+) -> torch.Tensor:
+    """The 2-norm of all gradients of the model, identical on every rank of the mesh.
+
+    Args:
+        params: this rank's parameters (those without a gradient are ignored).
+        mesh: the process mesh.
+        counted_once: ``False`` for a local parameter whose gradient another stage also holds and counts.
+    """
+    params = list(params)
+    total = None
+    for p in params:
+        if p.grad is None or not counted_once(p):
+            continue
+        if getattr(p, "tp_shard", None) is None and mesh.tp_size > 1 and mesh.tp_rank != 0:
+            continue  # replicated over TP: TP rank 0 counts it
+        sq = p.grad.detach().float().pow(2).sum()
+        total = sq if total is None else total + sq
+    if total is None:
+        total = torch.zeros((), device=params[0].device if params else "cpu")
+    if mesh.tp_size > 1:
+        dist.all_reduce(total, group=mesh.tp_group)
+    if mesh.pp_size > 1:
+        dist.all_reduce(total, group=mesh.pp_group)
+    return total.sqrt()
+
+
+def clip_grads_by_global_norm(
+    params: list[torch.nn.Parameter],
+    max_norm: float,
+    mesh: ParallelMesh,
+    counted_once: Callable[[torch.nn.Parameter], bool] = lambda p: True,
+) -> torch.Tensor:
+    """Scale gradients so that their global norm is at most ``max_norm``; returns the norm before.
+
+    Uses the same coefficient as ``torch.nn.utils.clip_grad_norm_``: ``max_norm / (norm + 1e-6)``,
+    clamped to 1, so a run on one device and a split run clip identically.
+    """
+    norm = global_grad_norm(params, mesh, counted_once)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.detach().mul_(coef.to(p.grad.dtype))
+    return norm
