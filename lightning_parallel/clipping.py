@@ -23,6 +23,7 @@ def global_grad_norm(
     params: Iterable[torch.nn.Parameter],
     mesh: ParallelMesh,
     counted_once: Callable[[torch.nn.Parameter], bool] = lambda p: True,
+    sharded_over_dp: bool = False,
 ) -> torch.Tensor:
     """The 2-norm of all gradients of the model, identical on every rank of the mesh.
 
@@ -30,6 +31,7 @@ def global_grad_norm(
         params: this rank's parameters (those without a gradient are ignored).
         mesh: the process mesh.
         counted_once: ``False`` for a local parameter whose gradient another stage also holds and counts.
+        sharded_over_dp: the parameters are disjoint slices per data-parallel rank (ZeRO-1).
     """
     params = list(params)
     total = None
@@ -46,6 +48,8 @@ def global_grad_norm(
         dist.all_reduce(total, group=mesh.tp_group)
     if mesh.pp_size > 1:
         dist.all_reduce(total, group=mesh.pp_group)
+    if sharded_over_dp and mesh.dp_size > 1:
+        dist.all_reduce(total, group=mesh.dp_group)
     return total.sqrt()
 
 
@@ -54,13 +58,14 @@ def clip_grads_by_global_norm(
     max_norm: float,
     mesh: ParallelMesh,
     counted_once: Callable[[torch.nn.Parameter], bool] = lambda p: True,
+    sharded_over_dp: bool = False,
 ) -> torch.Tensor:
     """Scale gradients so that their global norm is at most ``max_norm``; returns the norm before.
 
     Uses the same coefficient as ``torch.nn.utils.clip_grad_norm_``: ``max_norm / (norm + 1e-6)``,
     clamped to 1, so a run on one device and a split run clip identically.
     """
-    norm = global_grad_norm(params, mesh, counted_once)
+    norm = global_grad_norm(params, mesh, counted_once, sharded_over_dp)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:

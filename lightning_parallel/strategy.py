@@ -16,7 +16,7 @@ norm then uses the norm of the whole model (``clipping.py``).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Generator, Literal, Optional, Union
 
@@ -42,6 +42,7 @@ from torch.optim import Optimizer
 
 from lightning_parallel.clipping import clip_grads_by_global_norm
 from lightning_parallel.data_parallel import GradientSynchronizer
+from lightning_parallel.data_parallel.zero import ZeroOneSharding
 from lightning_parallel.launcher import MultiProcessingLauncher
 from lightning_parallel.mesh import ParallelMesh
 
@@ -66,6 +67,8 @@ class ParallelStrategy(_LightningParallelStrategy):
         pipeline_blocks: dotted path of the repeated block list; ``None`` finds it.
         pipeline_layout: blocks per stage, e.g. ``[3, 5]``; ``None`` balances by parameter count.
         bucket_size_mb: data-parallel all-reduce bucket size, MiB of gradients.
+        zero_stage: ``1`` shards optimizer state over the data-parallel group (ZeRO-1); ``0`` keeps
+            a full optimizer on every replica.
         start_method: ``"popen"`` (run the script once per rank, as torchrun does), ``"spawn"``,
             ``"fork"`` or ``"forkserver"``, as in Lightning's ``DDPStrategy``.
         timeout: timeout of collective operations.
@@ -86,6 +89,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         pipeline_blocks: Optional[str] = None,
         pipeline_layout: Optional[list[int]] = None,
         bucket_size_mb: float = 25.0,
+        zero_stage: int = 0,
         start_method: StartMethod = "popen",
         timeout: Union[timedelta, float] = timedelta(minutes=30),
         process_group_backend: Optional[str] = None,
@@ -115,6 +119,9 @@ class ParallelStrategy(_LightningParallelStrategy):
         self.pipeline_blocks = pipeline_blocks
         self.pipeline_layout = list(pipeline_layout) if pipeline_layout is not None else None
         self.bucket_size_mb = bucket_size_mb
+        if zero_stage not in (0, 1):
+            raise ValueError(f"zero_stage must be 0 (off) or 1 (shard optimizer state), got {zero_stage!r}")
+        self.zero_stage = zero_stage
         self._start_method = start_method
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
         self._process_group_backend = process_group_backend
@@ -122,6 +129,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         self.mesh: Optional[ParallelMesh] = None
         self.grad_sync: Optional[GradientSynchronizer] = None
         self.pipeline = None  # pipeline.PipelineEngine when pipeline_parallel > 1
+        self.zero: Optional[ZeroOneSharding] = None
         self._sync_blocked = False
 
     # ---- what Lightning asks of a parallel strategy ---------------------------------------------
@@ -226,13 +234,17 @@ class ParallelStrategy(_LightningParallelStrategy):
             self.pipeline.partition()
         if trainer.state.fn == TrainerFn.FITTING:
             if self.mesh.dp_size > 1:
-                self.grad_sync = GradientSynchronizer(list(module.parameters()), self.mesh.dp_group, self.bucket_size_mb)
+                self.grad_sync = GradientSynchronizer(
+                    list(module.parameters()), self.mesh.dp_group, self.bucket_size_mb, shard=self.zero_stage == 1
+                )
             if self.pipeline is not None:
                 # the pipeline runs forward and backward itself, inside training_step
                 trainer.fit_loop._skip_backward = True
             self.setup_optimizers(trainer)
+            if self.grad_sync is not None and self.zero_stage == 1:
+                self.zero = ZeroOneSharding(self.grad_sync, self.optimizers)
         self.setup_precision_plugin()
-        if self.is_model_split:
+        if self.is_model_split or self.zero is not None:
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm
         if trainer.state.fn == TrainerFn.FITTING:
             from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -252,7 +264,9 @@ class ParallelStrategy(_LightningParallelStrategy):
         if batch_idx % trainer.accumulate_grad_batches == 0:
             for optimizer in self.optimizers:
                 optimizer.zero_grad()
-        with self.precision_plugin.train_step_context():
+        # every micro-batch's backward accumulates locally; DP averages once, in _finalize_gradients
+        no_sync = self.grad_sync.no_sync() if self.grad_sync is not None else nullcontext()
+        with self.precision_plugin.train_step_context(), no_sync:
             loss = self.pipeline.training_step(batch, batch_idx, loss_scale=1.0 / trainer.accumulate_grad_batches)
         if not self._sync_blocked:
             self._finalize_gradients()
@@ -268,7 +282,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         if self.pipeline is None:
             return super().test_step(*args, **kwargs)
         with self.precision_plugin.test_step_context():
-            return self.pipeline.validation_step(*args, **kwargs)
+            return self.pipeline.test_step(*args, **kwargs)
 
     # ---- gradients -----------------------------------------------------------------------------
     @contextmanager
@@ -289,23 +303,49 @@ class ParallelStrategy(_LightningParallelStrategy):
             self._finalize_gradients()
 
     def _finalize_gradients(self) -> None:
-        """DP all-reduce, then sequence-parallel norms over TP, then tied weights over stages."""
+        """Complete this window's gradients: tied weights, data-parallel mean, sequence-parallel norms.
+
+        Each step is a sum or a mean over a different group of ranks, so they commute; tied weights
+        go first because under pipeline parallelism every backward has already run and the
+        gradients are still whole (ZeRO-1 keeps only a slice after the DP step).
+        """
+        if self.pipeline is not None:
+            self.pipeline.sync_tied_grads()
         if self.grad_sync is not None:
             if self.pipeline is not None:
                 self.grad_sync.sync_now()
             else:
                 self.grad_sync.finish()
+        if self.zero is not None:
+            self.zero.attach_grads()
         if self.sequence_parallel and self.tensor_parallel > 1:
             from lightning_parallel.tensor_parallel import sync_sequence_parallel_grads
 
-            sync_sequence_parallel_grads(self.lightning_module, self.mesh)
-        if self.pipeline is not None:
-            self.pipeline.sync_tied_grads()
+            sync_sequence_parallel_grads(self._grad_holders(), self.mesh)
+
+    def _grad_holders(self) -> torch.nn.Module:
+        """The module whose parameters hold the gradients now (ZeRO-1's pieces, when sharded)."""
+        if self.zero is None:
+            return self.lightning_module
+        holder = torch.nn.Module()
+        holder.pieces = torch.nn.ParameterList([piece for piece, *_ in self.zero.pieces])
+        return holder
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         params = list(self.precision_plugin.main_params(optimizer))
         counted_once = self.pipeline.is_counted_once if self.pipeline is not None else (lambda p: True)
-        clip_grads_by_global_norm(params, float(clip_val), self.mesh, counted_once)
+        if self.zero is not None:
+            original = self.zero.original
+            clip_grads_by_global_norm(params, float(clip_val), self.mesh, lambda p: counted_once(original[p]),
+                                      sharded_over_dp=True)
+        else:
+            clip_grads_by_global_norm(params, float(clip_val), self.mesh, counted_once)
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.zero is not None:
+            self.zero.gather_params()
+        return output
 
     # ---- collectives ---------------------------------------------------------------------------
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Any = "mean") -> Any:

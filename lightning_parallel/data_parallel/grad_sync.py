@@ -1,15 +1,19 @@
 """Bucketed gradient all-reduce that overlaps with backward.
 
-Each bucket is one flat buffer; a parameter's ``.grad`` becomes a view into it, so an all-reduce of
+Each bucket is one flat buffer; a parameter's ``.grad`` becomes a view into it, so one collective on
 the buffer reduces all of the bucket's gradients at once. A post-accumulate-grad hook marks a
 parameter ready; when every parameter of a bucket is ready, and every earlier bucket has been
-launched, the bucket's asynchronous all-reduce starts while backward continues on earlier layers
-(Li et al., VLDB 2020). Launching strictly in bucket order keeps the sequence of collectives the
-same on every rank even when ranks see different sets of used parameters.
+launched, the bucket's asynchronous collective starts while backward continues on earlier layers
+(Li et al., "PyTorch Distributed", VLDB 2020). Launching strictly in bucket order keeps the sequence
+of collectives the same on every rank even when ranks see different sets of used parameters.
 
-Each bucket carries one extra element per parameter: 1 when this rank produced a gradient for it.
-After the sum-all-reduce that flag says whether *any* replica produced one; a parameter no replica
+Each bucket also carries one flag per parameter: 1 when this rank produced a gradient for it. After
+the sum over ranks the flag says whether *any* replica produced one; a parameter that no replica
 touched keeps ``grad=None``, exactly as on one device, so optimizers skip it.
+
+With ``shard=True`` (ZeRO stage 1, Rajbhandari et al. 2020, arXiv 1910.02054) a bucket is
+reduce-scattered instead: each rank receives the averaged gradient of its own ``1/dp`` slice only,
+which is all its optimizer shard needs (see ``zero.py``).
 """
 
 from __future__ import annotations
@@ -24,72 +28,83 @@ from lightning_parallel.data_parallel.buckets import assign_buckets
 
 
 class _Bucket:
-    def __init__(self, params: list[torch.nn.Parameter], offsets: list[int], numel: int, dtype, device):
+    def __init__(self, params: list[torch.nn.Parameter], offsets: list[int], numel: int, world: int, dtype, device):
         self.params = params
         self.offsets = offsets
-        # gradient elements, then one "used" flag per parameter
-        self.buffer = torch.zeros(numel + len(params), dtype=dtype, device=device)
-        self.flags = self.buffer[numel:]
+        self.numel = numel
+        self.padded = -(-numel // world) * world  # reduce-scatter needs equal slices
+        # gradient elements (padded), then one "used" flag per parameter
+        self.buffer = torch.zeros(self.padded + len(params), dtype=dtype, device=device)
+        self.grads = self.buffer[: self.padded]
+        self.flags = self.buffer[self.padded :]
         self.views = [self.buffer[o : o + p.numel()].view_as(p) for p, o in zip(params, offsets)]
+        self.shard: Optional[torch.Tensor] = None  # this rank's reduced slice, when sharded
         self.pending = len(params)
         self.ready = [False] * len(params)
-        self.work: Optional[dist.Work] = None
+        self.works: list[dist.Work] = []
 
     def reset(self) -> None:
         self.pending = len(self.params)
         self.ready = [False] * len(self.params)
-        self.work = None
+        self.works = []
 
 
 class GradientSynchronizer:
-    """Average gradients over a data-parallel group with overlapped, bucketed all-reduce.
+    """Average gradients over a data-parallel group with overlapped, bucketed collectives.
 
     Args:
         params: the parameters to synchronise (those with ``requires_grad``).
         group: the data-parallel process group.
         bucket_size_mb: bucket capacity in MiB of gradient data.
+        shard: reduce-scatter (ZeRO-1) instead of all-reduce; ``bucket.shard`` then holds this
+            rank's averaged slice and the parameters' own ``.grad`` are released.
 
     Use: backward as usual (hooks launch buckets as they fill), then ``finish()`` before the
     optimizer step. Inside ``no_sync()`` backward only accumulates, as for gradient accumulation.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], group, bucket_size_mb: float = 25.0):
+    def __init__(self, params: list[torch.nn.Parameter], group, bucket_size_mb: float = 25.0, shard: bool = False):
         self.group = group
         self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.shard = shard
         self.enabled = True
+        self.buckets: list[_Bucket] = []
+        self._where: dict[torch.nn.Parameter, tuple[_Bucket, int]] = {}
+        self._next = 0  # first bucket not yet launched
         params = [p for p in params if p.requires_grad]
         if not params:
-            self.buckets: list[_Bucket] = []
+            self._hooks = []
             return
-        elem = params[0].element_size()
-        slots, sizes = assign_buckets(params, max(1, int(bucket_size_mb * 2**20 / elem)))
+        slots, sizes = assign_buckets(params, max(1, int(bucket_size_mb * 2**20 / params[0].element_size())))
         members: list[list[tuple[int, torch.nn.Parameter]]] = [[] for _ in sizes]
         for p, s in zip(params, slots):
             members[s.bucket].append((s.offset, p))
-        self.buckets = []
-        self._where: dict[torch.nn.Parameter, tuple[_Bucket, int]] = {}
         for size, m in zip(sizes, members):
             m.sort(key=lambda t: t[0])
-            b = _Bucket([p for _, p in m], [o for o, _ in m], size, m[0][1].dtype, m[0][1].device)
+            b = _Bucket([p for _, p in m], [o for o, _ in m], size, self.world, m[0][1].dtype, m[0][1].device)
+            if shard:
+                b.shard = torch.zeros(b.padded // self.world, dtype=b.buffer.dtype, device=b.buffer.device)
             self.buckets.append(b)
             for i, p in enumerate(b.params):
                 self._where[p] = (b, i)
-        self._next = 0  # first bucket not yet launched
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
 
     # ---- backward-time ------------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         bucket, i = self._where[param]
-        view = bucket.views[i]
-        if param.grad is not view:
-            # first gradient since zero_grad(set_to_none=True): move it into the bucket so later
-            # accumulation happens in place and the all-reduce sees it
-            if param.grad.data_ptr() != view.data_ptr():
-                view.copy_(param.grad)
-            param.grad = view
+        self._adopt(bucket, i)
         if self.enabled:
             self._mark_ready(bucket, i)
             self._launch_ready()
+
+    @staticmethod
+    def _adopt(bucket: _Bucket, i: int) -> None:
+        """Move a fresh gradient into its bucket, so accumulation happens there, in place."""
+        param, view = bucket.params[i], bucket.views[i]
+        if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)
+            param.grad = view
 
     @staticmethod
     def _mark_ready(bucket: _Bucket, i: int) -> None:
@@ -107,7 +122,13 @@ class GradientSynchronizer:
             if not done:  # no gradient here this step: contribute zeros
                 bucket.views[i].zero_()
                 bucket.flags[i] = 0
-        bucket.work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        if self.shard:
+            bucket.works = [
+                dist.reduce_scatter_tensor(bucket.shard, bucket.grads, group=self.group, async_op=True),
+                dist.all_reduce(bucket.flags, group=self.group, async_op=True),
+            ]
+        else:
+            bucket.works = [dist.all_reduce(bucket.buffer, group=self.group, async_op=True)]
         self._next += 1
 
     # ---- step-time ----------------------------------------------------------------------------
@@ -122,15 +143,17 @@ class GradientSynchronizer:
 
     def finish(self) -> None:
         """Launch what backward did not, wait for every bucket, and average the gradients."""
-        if not self.buckets:
-            return
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
         for bucket in self.buckets:
-            bucket.work.wait()
-            bucket.buffer.div_(self.world)
+            for work in bucket.works:
+                work.wait()
+            if self.shard:
+                bucket.shard.div_(self.world)
+            else:
+                bucket.grads.div_(self.world)
             for p, view, used in zip(bucket.params, bucket.views, bucket.flags.tolist()):
-                p.grad = view if used > 0 else None
+                p.grad = view if used > 0 and not self.shard else None
             bucket.reset()
         self._next = 0
 
@@ -139,12 +162,11 @@ class GradientSynchronizer:
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 if p.grad is not None:
-                    if p.grad.data_ptr() != bucket.views[i].data_ptr():
-                        bucket.views[i].copy_(p.grad)
-                        p.grad = bucket.views[i]
+                    self._adopt(bucket, i)
                     self._mark_ready(bucket, i)
         self.finish()
 
     def remove(self) -> None:
-        for h in getattr(self, "_hooks", []):
+        for h in self._hooks:
             h.remove()
+        self._hooks = []
