@@ -123,8 +123,9 @@ class GradientSynchronizer:
                 bucket.views[i].zero_()
                 bucket.flags[i] = 0
         if self.shard:
+            reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
             bucket.works = [
-                dist.reduce_scatter_tensor(bucket.shard, bucket.grads, group=self.group, async_op=True),
+                reduce_scatter(bucket.shard, bucket.grads, group=self.group, async_op=True),
                 dist.all_reduce(bucket.flags, group=self.group, async_op=True),
             ]
         else:

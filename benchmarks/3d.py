@@ -1,0 +1,101 @@
+"""Every layout of 8 processes on the default GPT: steps per second and per-rank memory.
+
+Same model, same global batch (64 sequences of 64 bytes), same Lightning loop; only the layout
+changes. Memory is measured per rank: model state (parameters + gradients + optimizer state held by
+that rank, exact bytes) and the peak resident set during training (``VmHWM`` after resetting it with
+``/proc/self/clear_refs`` at the start of training, so the shared interpreter is not counted).
+
+Run: ``python benchmarks/3d.py [--steps 12] [--repeats 3]``. On 2 CPU cores 8 processes contend
+for time, so compare layouts with each other, not with a GPU cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_parallel import ParallelStrategy
+from lightning_parallel.data.text import TextDataModule
+from lightning_parallel.models.gpt import GPT
+
+LAYOUTS = [  # (dp, tp, pp)
+    (8, 1, 1), (4, 2, 1), (4, 1, 2), (2, 2, 2), (2, 4, 1), (2, 1, 4), (1, 2, 4),
+]
+
+
+class Probe(L.Callback):
+    def __init__(self, warmup: int, out_dir: str):
+        self.warmup, self.out_dir, self.start = warmup, out_dir, None
+
+    def on_train_start(self, trainer, pl_module):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak-RSS counter
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.warmup:
+            self.start = time.perf_counter()
+
+    def on_train_end(self, trainer, pl_module):
+        elapsed = time.perf_counter() - self.start
+        params = list(pl_module.parameters())
+        state = sum(p.numel() * p.element_size() for p in params)  # parameters
+        state += sum(p.numel() * p.element_size() for p in params if p.requires_grad)  # gradients
+        opt = trainer.optimizers[0]
+        state += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                     if isinstance(t, torch.Tensor) and t.dim() > 0)
+        hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
+        rate = (trainer.global_step - self.warmup) / elapsed
+        torch.save((rate, state, hwm * 1024), os.path.join(self.out_dir, f"{trainer.global_rank}.pt"))
+
+
+def run_layout(dp: int, tp: int, pp: int, steps: int, warmup: int, global_batch: int, zero: int) -> tuple:
+    L.seed_everything(0, verbose=False)
+    data = TextDataModule(batch_size=global_batch // dp, block_size=64)
+    data.setup("fit")
+    loader = DataLoader(data.train_dataloader().dataset, batch_size=global_batch // dp, shuffle=True)
+    strategy = ParallelStrategy(data_parallel=dp, tensor_parallel=tp, pipeline_parallel=pp,
+                                micro_batches=4 if pp > 1 else None, zero_stage=zero if dp > 1 else 0,
+                                start_method="fork")
+    with tempfile.TemporaryDirectory() as out_dir:
+        trainer = L.Trainer(accelerator="cpu", devices=8, strategy=strategy, max_steps=steps, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            limit_val_batches=0, callbacks=[Probe(warmup, out_dir)])
+        trainer.fit(GPT(), loader)
+        per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(8)]
+    return per_rank[0][0], max(s for _, s, _ in per_rank), max(h for _, _, h in per_rank)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--global-batch", type=int, default=64)
+    parser.add_argument("--zero", type=int, default=0, help="ZeRO stage for layouts with dp > 1")
+    args = parser.parse_args()
+    results = {layout: [] for layout in LAYOUTS}
+    for _ in range(args.repeats):
+        for layout in LAYOUTS:
+            results[layout].append(run_layout(*layout, args.steps, args.warmup, args.global_batch, args.zero))
+    base = statistics.median(r[0] for r in results[LAYOUTS[0]])
+    print(f"\nGPT {sum(p.numel() for p in GPT().parameters()) / 1e3:.0f}k params, 8 processes, global batch "
+          f"{args.global_batch} x 64 tokens, ZeRO-{args.zero}, median of {args.repeats}")
+    print(f"{'layout':<16} {'steps/s':>8} {'vs DP8':>7} {'model state/rank':>17} {'peak RSS/rank':>14}")
+    for (dp, tp, pp), runs in results.items():
+        rate = statistics.median(r[0] for r in runs)
+        state = statistics.median(r[1] for r in runs)
+        hwm = statistics.median(r[2] for r in runs)
+        name = f"DP{dp} TP{tp} PP{pp}"
+        print(f"{name:<16} {rate:>8.2f} {rate / base:>6.2f}x {state / 2**20:>14.2f} MiB {hwm / 2**20:>10.1f} MiB")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()
