@@ -169,8 +169,14 @@ class ParallelStrategy(_LightningParallelStrategy):
         mesh = self._planned_mesh()
         return {"num_replicas": mesh.dp_size, "rank": mesh.coords(self.global_rank).dp}
 
+    def _resolve_sizes(self) -> None:
+        """Presets fill in the size they spread over all processes (see the subclasses)."""
+
     def _planned_mesh(self) -> ParallelMesh:
-        return self.mesh or ParallelMesh(
+        if self.mesh is not None:
+            return self.mesh
+        self._resolve_sizes()
+        return ParallelMesh(
             self.num_nodes * self.num_processes,
             tensor_parallel=self.tensor_parallel,
             pipeline_parallel=self.pipeline_parallel,
@@ -196,7 +202,19 @@ class ParallelStrategy(_LightningParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        # the layout is checked on every rank before any collective, so a bad one fails, not hangs
+        # every rank checks the allocation, the layout and the model before any collective, so a
+        # bad launch fails with the same message everywhere instead of hanging
+        from lightning_parallel.slurm_checks import validate_launch
+
+        self._resolve_sizes()
+        sizes = {"tensor_parallel": self.tensor_parallel, "pipeline_parallel": self.pipeline_parallel,
+                 "data_parallel": self.data_parallel}
+        validate_launch(
+            sizes, self.num_nodes, self.num_processes,
+            model=self.lightning_module if self.is_model_split else None,
+            tp_plan=self.tp_plan, sequence_parallel=self.sequence_parallel, pipeline_blocks=self.pipeline_blocks,
+            virtual_stages=self.virtual_stages, pipeline_layout=self.pipeline_layout,
+        )
         mesh = self._planned_mesh()
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
@@ -407,10 +425,9 @@ class TensorParallelStrategy(ParallelStrategy):
         self._tp_all = tensor_parallel is None
         super().__init__(tensor_parallel=tensor_parallel or 1, **kwargs)
 
-    def _planned_mesh(self) -> ParallelMesh:
+    def _resolve_sizes(self) -> None:
         if self._tp_all:
             self.tensor_parallel = max(1, self.num_nodes * self.num_processes // self.pipeline_parallel)
-        return super()._planned_mesh()
 
 
 class PipelineParallelStrategy(ParallelStrategy):
@@ -422,10 +439,9 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._pp_all = pipeline_parallel is None
         super().__init__(pipeline_parallel=pipeline_parallel or 1, **kwargs)
 
-    def _planned_mesh(self) -> ParallelMesh:
+    def _resolve_sizes(self) -> None:
         if self._pp_all:
             self.pipeline_parallel = max(1, self.num_nodes * self.num_processes // self.tensor_parallel)
-        return super()._planned_mesh()
 
 
 @torch.no_grad()

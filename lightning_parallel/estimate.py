@@ -1,0 +1,169 @@
+"""Memory per device of a planned layout, computed from a model built on the meta device.
+
+For each pipeline rank: the parameters it holds (its stages' blocks, plus the embedding on the
+first and the head on the last; the weights the TP plan shards and the biases of column-parallel
+layers divided by ``tp``, other vectors kept whole), their gradients, AdamW's two moment tensors,
+and the activations that the pipeline schedule keeps alive. Activations per transformer layer follow Korthikanti et al. 2022,
+"Reducing Activation Recomputation in Large Transformer Models" (arXiv 2205.05198, Table 2), in
+bytes for 16-bit activations::
+
+    no sequence parallelism:  s*b*h * (10 + 24/t + 5*a*s/(h*t))
+    sequence parallelism:     s*b*h/t * (34 + 5*a*s/h)
+
+scaled by ``activation bytes / 2`` for other precisions. A rank keeps as many micro-batches in
+flight as the schedule simulator counts (``min(P - r, M)`` for 1F1B, ``M`` for GPipe). The last
+stage also holds the logits and their gradient in float32 (``8*s*b*V/t`` bytes). The formula
+assumes a GPT-style block (4h MLP, as many KV heads as heads); for other blocks it is an
+estimate of the same order. Nothing here counts framework buffers or allocator fragmentation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from lightning_parallel.pipeline.partition import StagePlan
+from lightning_parallel.pipeline.schedules import all_ranks
+from lightning_parallel.pipeline.simulator import simulate
+
+# bytes per element: parameter, gradient, AdamW state (two tensors), activation
+_PRECISION_BYTES = {
+    "32-true": (4, 4, 8, 4),
+    "bf16-mixed": (4, 4, 8, 2),
+    "16-mixed": (4, 4, 8, 2),
+    "bf16-true": (2, 2, 4, 2),
+    "16-true": (2, 2, 4, 2),
+}
+_PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed"}
+
+
+def precision_bytes(precision) -> tuple[int, int, int, int]:
+    """(parameter, gradient, optimizer state, activation) bytes per element for a Trainer precision."""
+    key = _PRECISION_ALIASES.get(str(precision), str(precision))
+    if key not in _PRECISION_BYTES:
+        raise ValueError(f"no memory estimate for precision={precision!r}; known: {', '.join(_PRECISION_BYTES)}")
+    return _PRECISION_BYTES[key]
+
+
+@dataclass(frozen=True)
+class TransformerDims:
+    """The sizes the activation formula needs, read from the model."""
+
+    hidden: int
+    heads: int
+    vocab: int
+
+
+def transformer_dims(model: nn.Module) -> TransformerDims | None:
+    """Hidden size, heads and vocabulary of a Hugging Face config inside ``model``, or of nanoGPT-style
+    hyperparameters (``n_embd``, ``n_head``, ``vocab_size``); None when neither is there."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if all(hasattr(config, k) for k in ("hidden_size", "num_attention_heads", "vocab_size")):
+            return TransformerDims(config.hidden_size, config.num_attention_heads, config.vocab_size)
+    hp = getattr(model, "hparams", {})
+    if all(k in hp for k in ("n_embd", "n_head", "vocab_size")):
+        return TransformerDims(hp["n_embd"], hp["n_head"], hp["vocab_size"])
+    return None
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters (tied weights once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def layer_activation_bytes(
+    dims: TransformerDims, seq: int, micro_batch: int, tp: int, sequence_parallel: bool, act_bytes: int
+) -> float:
+    """Korthikanti et al. 2022, Table 2: activations one transformer layer stores for backward."""
+    s, b, h, a, t = seq, micro_batch, dims.hidden, dims.heads, tp
+    if sequence_parallel:
+        per_layer = s * b * h / t * (34 + 5 * a * s / h)
+    else:
+        per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    return per_layer * act_bytes / 2
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Estimated memory of one device of pipeline rank ``stage`` (all its TP/DP peers are alike)."""
+
+    stage: int
+    blocks: tuple[int, ...]
+    params: int
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float
+    in_flight: int
+
+    @property
+    def total_bytes(self) -> float:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+
+
+def parameters_per_rank(model: nn.Module, stages: StagePlan, tp_sharded: set[int], tp: int) -> list[int]:
+    """Parameter elements each pipeline rank holds on one device; ``tp_sharded`` are ids of
+    parameters divided across the TP group."""
+    held: list[dict[int, nn.Parameter]] = [{} for _ in range(stages.ranks)]
+    owned: set[int] = set()
+    for name, stage in stages.module_stages().items():
+        for p in model.get_submodule(name).parameters():
+            held[stages.rank_of_stage(stage)][id(p)] = p
+            owned.add(id(p))
+    for p in model.parameters():  # outside every partitioned module: kept on every rank
+        if id(p) not in owned:
+            for rank_params in held:
+                rank_params[id(p)] = p
+    return [sum(p.numel() // tp if i in tp_sharded else p.numel() for i, p in h.items()) for h in held]
+
+
+def tp_sharded_parameters(assignments) -> set[int]:
+    """Ids of the weight matrices (and column-parallel biases) that a TP plan's assignments shard."""
+    ids: set[int] = set()
+    for a in assignments:
+        if a.entry.style is None or a.entry.style == "sequence_scatter":
+            continue
+        for name, p in a.module.named_parameters():
+            if p.dim() >= 2 or (a.entry.style in ("colwise", "vocab") and name == "bias"):
+                ids.add(id(p))
+    return ids
+
+
+def estimate_memory(
+    model: nn.Module,
+    stages: StagePlan,
+    tp_sharded: set[int],
+    tp: int,
+    seq: int,
+    micro_batch: int,
+    micro_batches: int,
+    schedule: str,
+    sequence_parallel: bool,
+    precision,
+) -> list[RankMemory]:
+    """Memory per device of every pipeline rank (see the module docstring for what is counted)."""
+    p_bytes, g_bytes, o_bytes, a_bytes = precision_bytes(precision)
+    params = parameters_per_rank(model, stages, tp_sharded, tp)
+    pp, virtual = stages.ranks, stages.num_stages // stages.ranks
+    if pp == 1:
+        in_flight = [1]
+    else:
+        in_flight = simulate(all_ranks(schedule, pp, micro_batches, virtual)).peak_in_flight
+    dims = transformer_dims(model)
+    result = []
+    for rank in range(pp):
+        rank_stages = stages.stages_of_rank(rank)
+        blocks = tuple(i for s in rank_stages for i in stages.stage_blocks[s])
+        act = 0.0
+        if dims is not None:
+            # each in-flight unit is one (virtual) stage's blocks for one micro-batch
+            deepest = max(len(stages.stage_blocks[s]) for s in rank_stages)
+            per_layer = layer_activation_bytes(dims, seq, micro_batch, tp, sequence_parallel, a_bytes)
+            act = in_flight[rank] * deepest * per_layer
+            if rank == stages.rank_of_stage(stages.num_stages - 1):
+                act += 8 * seq * micro_batch * dims.vocab / tp
+        n = params[rank]
+        result.append(RankMemory(rank, blocks, n, n * p_bytes, n * g_bytes, n * o_bytes, act, in_flight[rank]))
+    return result
