@@ -249,6 +249,11 @@ class ParallelStrategy(_LightningParallelStrategy):
                 blocks=self.pipeline_blocks,
                 layout=self.pipeline_layout,
             )
+            if getattr(self.precision_plugin, "scaler", None) is not None:
+                raise ValueError(
+                    "pipeline_parallel > 1 supports precision '32-true', 'bf16-mixed' or 'bf16-true'; "
+                    "'16-mixed' needs a loss scaler the pipeline does not apply"
+                )
             self.pipeline.partition()
         if trainer.state.fn == TrainerFn.FITTING:
             if self.mesh.dp_size > 1:
@@ -301,6 +306,12 @@ class ParallelStrategy(_LightningParallelStrategy):
             return super().test_step(*args, **kwargs)
         with self.precision_plugin.test_step_context():
             return self.pipeline.test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().predict_step(*args, **kwargs)
+        with self.precision_plugin.predict_step_context():
+            return self.pipeline.predict_step(*args, **kwargs)
 
     # ---- gradients -----------------------------------------------------------------------------
     @contextmanager

@@ -1,0 +1,286 @@
+"""Run one Lightning step of an unchanged LightningModule as a pipeline of stages.
+
+``PipelineEngine`` is what the strategy drives: ``partition()`` once in ``setup`` (before the
+optimizers exist), then ``training_step`` / ``validation_step`` / ... per batch, and
+``sync_tied_grads`` before clipping and the optimizer step. Each training step splits the batch
+into micro-batches and executes this rank's action list from ``schedules`` (GPipe, 1F1B or
+interleaved 1F1B). A forward action calls the user's own ``training_step`` on the micro-batch; the
+stand-ins of ``stage_modules`` make it compute only this stage's blocks and stop at the stage
+boundary. A backward action back-propagates the received gradient (or, on the last stage, the
+loss scaled once by ``loss_scale`` times the micro-batch's share of the batch). After a forward
+output is sent its storage is released, keeping only the autograd graph (Megatron-LM's
+``deallocate_output_tensor``), and backward then runs through the autograd engine directly.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_parallel.mesh import ParallelMesh
+from lightning_parallel.pipeline.errors import PipelineConfigError
+from lightning_parallel.pipeline.logs import LogCapture, replay
+from lightning_parallel.pipeline.memory import ActivationMeter
+from lightning_parallel.pipeline.microbatch import split_batch
+from lightning_parallel.pipeline.p2p import StageLink
+from lightning_parallel.pipeline.partition import plan_stages, shared_parameters
+from lightning_parallel.pipeline.schedules import (
+    SCHEDULES,
+    all_ranks,
+    schedule_forward_only,
+    send_completion_points,
+    validate,
+)
+from lightning_parallel.pipeline.simulator import Interval
+from lightning_parallel.pipeline.stage_modules import StageExit, StageRuntime, apply_stage_plan
+
+_COMM = ("recv_f", "send_f", "recv_b", "send_b")
+
+
+class PipelineEngine:
+    """Pipeline execution of ``module`` over the pipeline group of ``mesh``.
+
+    Args:
+        module: the LightningModule, identical on every rank until ``partition()``.
+        mesh: the process mesh; its groups must exist before ``partition()``.
+        micro_batches: micro-batches per step (each batch is split along dim 0).
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
+        virtual_stages: model chunks per rank (interleaved_1f1b only).
+        blocks: path of the block list (e.g. ``"model.layers"``); found automatically if None.
+        layout: blocks per stage (``pipeline_parallel x virtual_stages`` entries); balanced by
+            parameter count if None.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        mesh: ParallelMesh,
+        micro_batches: int,
+        schedule: str = "1f1b",
+        virtual_stages: int = 1,
+        blocks: Optional[str] = None,
+        layout: Optional[list[int]] = None,
+    ):
+        if schedule not in SCHEDULES:
+            raise PipelineConfigError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if not isinstance(micro_batches, int) or micro_batches < 1:
+            raise PipelineConfigError(f"micro_batches must be a positive integer, got {micro_batches!r}")
+        self.module, self.mesh = module, mesh
+        self.micro_batches, self.schedule_name, self.virtual_stages = micro_batches, schedule, virtual_stages
+        validate(all_ranks(schedule, mesh.pp_size, micro_batches, virtual_stages), micro_batches)
+        self.plan = plan_stages(module, mesh.pp_size, virtual_stages, blocks, layout)
+        self.runtime = StageRuntime()
+        self.capture = LogCapture(module)
+        self.tied: list[tuple[nn.Parameter, Any, tuple[int, ...]]] = []
+        self.meter: Optional[ActivationMeter] = None
+        self.timeline: Optional[list[Interval]] = None
+        self.link: Optional[StageLink] = None
+
+    # ---- setup -----------------------------------------------------------------------------
+    def partition(self) -> None:
+        """Drop what this rank does not own and create the tied-weight groups (all ranks call it)."""
+        mesh, rank = self.mesh, self.mesh.pp_rank
+        shared = shared_parameters(self.module, self.plan)
+        params = dict(self.module.named_parameters())
+        for pipeline in mesh.pp_groups():  # every rank creates every group, in the same order
+            for name, ranks in shared:
+                group = dist.new_group([pipeline[r] for r in ranks])
+                if mesh.rank in pipeline and rank in ranks:
+                    self.tied.append((params[name], group, ranks))
+        apply_stage_plan(self.module, self.plan, rank, self.runtime)
+        device = next(self.module.parameters()).device
+        self.link = StageLink(lambda s: mesh.stage_rank(s % mesh.pp_size), self.plan.num_stages, mesh.pp_group, device)
+        train = all_ranks(self.schedule_name, mesh.pp_size, self.micro_batches, self.virtual_stages)
+        evaluate = [schedule_forward_only(mesh.pp_size, self.micro_batches, r, self.virtual_stages) for r in range(mesh.pp_size)]
+        # each schedule with the points where this rank's sends are known delivered and can be freed
+        self.actions = (train[rank], send_completion_points(train)[rank])
+        self.eval_actions = (evaluate[rank], send_completion_points(evaluate)[rank])
+
+    # ---- the strategy's calls ---------------------------------------------------------------
+    def training_step(self, batch: Any, batch_idx: int, loss_scale: float = 1.0) -> torch.Tensor:
+        """Forward and backward of every micro-batch; returns the batch's mean loss on every rank."""
+        return self._run(self.actions, self.module.training_step, batch, (batch_idx,), loss_scale)
+
+    def validation_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
+        return self._run(self.eval_actions, self.module.validation_step, batch, (batch_idx, *args), None)
+
+    def test_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
+        return self._run(self.eval_actions, self.module.test_step, batch, (batch_idx, *args), None)
+
+    def predict_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
+        return self._run(self.eval_actions, self.module.predict_step, batch, (batch_idx, *args), None)
+
+    def sync_tied_grads(self) -> None:
+        """Sum the gradients of parameters held by several stages over those stages.
+
+        A stage that did not use such a parameter contributes zeros; if no stage produced a
+        gradient it stays ``None``, as on one device (optimizers then skip it).
+        """
+        for param, group, _ in self.tied:
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            flat = torch.cat([grad.reshape(-1), torch.ones(1, dtype=grad.dtype, device=grad.device) * (param.grad is not None)])
+            dist.all_reduce(flat, group=group)
+            param.grad = flat[:-1].view_as(param) if flat[-1] > 0 else None
+
+    def is_counted_once(self, param: nn.Parameter) -> bool:
+        """Whether this rank counts ``param`` in a global gradient norm (tied copies count once)."""
+        for tied, _, ranks in self.tied:
+            if tied is param:
+                return self.mesh.pp_rank == ranks[0]
+        return True
+
+    # ---- execution --------------------------------------------------------------------------
+    def _run(self, schedule, step_fn: Callable, batch: Any, step_args: tuple, loss_scale: Optional[float]) -> Any:
+        if self.link is None:
+            raise RuntimeError("PipelineEngine.partition() must run before the first step")
+        micro, weights = split_batch(batch, self.micro_batches)
+        last = self.plan.num_stages - 1
+        inputs: dict = {}  # (mb, stage) -> received hidden state
+        conventions: dict = {}
+        outputs: dict = {}  # (mb, stage) -> output kept for backward (storage released after send)
+        out_meta: dict = {}
+        grads: dict = {}  # (mb, stage) -> gradient of the output, received
+        input_grads: dict = {}
+        results: dict = {}  # mb -> what the user's step returned on the last stage
+        actions, delivered_by = schedule
+        sending: dict = {}  # action index of a send -> (its works, bytes it keeps alive)
+        with self.capture.recording():
+            i = 0
+            while i < len(actions):
+                for index in [k for k in sending if delivered_by.get(k, len(actions)) < i]:
+                    self._release(*sending.pop(index))
+                if actions[i].op in _COMM:
+                    j = i
+                    while j < len(actions) and actions[j].op in _COMM:
+                        j += 1
+                    self._communicate(actions, i, j, outputs, out_meta, conventions, input_grads, inputs, grads, sending)
+                    i = j
+                    continue
+                a = actions[i]
+                t0 = time.perf_counter()
+                key = (a.microbatch, a.stage)
+                if a.op == "F":
+                    self.capture.weight = weights[a.microbatch]
+                    training = loss_scale is not None
+                    received = inputs.get(key) if training else inputs.pop(key, None)  # kept for backward
+                    out = self._forward(a.stage, micro[a.microbatch], step_fn, step_args, received,
+                                        conventions.get(key), training)
+                    if a.stage == last:
+                        results[a.microbatch] = out
+                    else:
+                        outputs[key], conventions[(a.microbatch, a.stage + 1)] = out
+                        out_meta[key] = (outputs[key].shape, outputs[key].dtype)
+                        if self.meter:
+                            self.meter.add(outputs[key].untyped_storage().nbytes())
+                else:
+                    self._backward(a.stage == last, results, outputs, grads, key, weights[a.microbatch] * loss_scale)
+                    if a.stage > 0:
+                        received = inputs.pop(key)
+                        input_grads[key] = received.grad if received.grad is not None else torch.zeros_like(received)
+                if self.timeline is not None:
+                    # perf_counter is the system's monotonic clock, comparable across local processes
+                    self.timeline.append(Interval(self.mesh.pp_rank, a.op, a.microbatch, a.stage, t0, time.perf_counter()))
+                i += 1
+            for works, nbytes in sending.values():
+                self._release(works, nbytes)
+        return self._finish(results, weights, loss_scale is not None)
+
+    def _forward(self, stage, micro_batch, step_fn, step_args, received, convention, training):
+        if received is not None and training:
+            received.requires_grad_()
+        last = stage == self.plan.num_stages - 1
+        self.runtime.begin(self.plan.stage_blocks[stage], not last, received, convention or 0)
+        tracking = self.meter.tracking() if self.meter and training else nullcontext()
+        try:
+            with tracking:
+                result = step_fn(micro_batch, *step_args)
+        except StageExit as exit_:
+            return exit_.hidden, self.runtime.convention
+        finally:
+            self.runtime.end()
+        if not last:
+            raise RuntimeError(
+                f"forward completed on pipeline stage {stage} of {self.plan.num_stages}: its last block "
+                f"({self.plan.stage_blocks[stage].stop - 1}) was never called"
+            )
+        return result
+
+    def _backward(self, is_last, results, outputs, grads, key, scale) -> None:
+        if is_last:
+            result = results[key[0]]
+            loss = result["loss"] if isinstance(result, dict) else result
+            if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
+                raise PipelineConfigError(
+                    "training_step must return a loss tensor that requires grad (or a dict with 'loss') under "
+                    f"pipeline parallelism, got {type(result).__name__}"
+                )
+            (loss * scale).backward()
+            results[key[0]] = loss.detach()  # the graph's nodes would keep tensors alive until the step ends
+        else:
+            out = outputs.pop(key)
+            # the output's storage was released after sending; run the engine on its graph directly
+            torch.autograd.Variable._execution_engine.run_backward(
+                (out,), (grads.pop(key),), False, False, (), True, True
+            )
+
+    def _communicate(self, actions, start, stop, outputs, out_meta, conventions, input_grads, inputs, grads, sending):
+        sends_f, sends_b, recvs_f, recvs_b = [], [], [], []
+        send_f_at, send_b_at = [], []
+        for index in range(start, stop):
+            a = actions[index]
+            key = (a.microbatch, a.stage)
+            if a.op == "send_f":
+                out = outputs[key] if outputs[key].requires_grad else outputs.pop(key)  # evaluation keeps nothing
+                sends_f.append((a.microbatch, a.stage, out, conventions[(a.microbatch, a.stage + 1)]))
+                send_f_at.append(index)
+            elif a.op == "send_b":
+                sends_b.append((a.microbatch, a.stage, input_grads.pop(key)))
+                send_b_at.append(index)
+            elif a.op == "recv_f":
+                recvs_f.append(key)
+            else:
+                recvs_b.append((a.microbatch, a.stage, *out_meta.pop(key)))
+        received, received_grads, works = self.link.exchange(sends_f, sends_b, recvs_f, recvs_b)
+        for key, (tensor, convention) in received.items():
+            inputs[key], conventions[key] = tensor, convention
+        grads.update(received_grads)
+        sent = [(out, True) for _, _, out, _ in sends_f] + [(grad, False) for _, _, grad in sends_b]
+        for index, (tensor, is_output), send_works in zip(send_f_at + send_b_at, sent, works):
+            nbytes = tensor.untyped_storage().nbytes()
+            if is_output and tensor.requires_grad:
+                # keep only the graph; the send holds the storage until it is waited on
+                tensor.data = torch.empty(1, dtype=tensor.dtype, device=tensor.device)
+            sending[index] = (send_works, nbytes if is_output else 0)
+
+    def _release(self, works, nbytes: int) -> None:
+        """Wait for a delivered send, so its buffer is freed."""
+        for work in works:
+            work.wait()
+        if self.meter and nbytes:
+            self.meter.add(-nbytes)
+
+    def _finish(self, results: dict, weights: list[float], training: bool) -> Any:
+        """Broadcast the last stage's loss (or outputs) and log records; replay the logs everywhere."""
+        mesh = self.mesh
+        payload: list[Any] = [None]
+        if mesh.is_last_stage:
+            records = self.capture.records()
+            if training:
+                value = sum(w * results[mb].float().cpu() for mb, w in enumerate(weights))
+            else:
+                value = [results[mb] for mb in sorted(results)]
+            payload = [(value, records)]
+        if mesh.pp_size > 1:
+            dist.broadcast_object_list(payload, src=mesh.stage_rank(mesh.pp_size - 1), group=mesh.pp_group)
+        value, records = payload[0]
+        replay(self.module, records)
+        if training:
+            return value.to(next(self.module.parameters()).device)
+        if all(v is None for v in value):
+            return None
+        return value[0] if len(value) == 1 else value

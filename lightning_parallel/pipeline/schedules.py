@@ -1,0 +1,271 @@
+"""Pipeline schedules as data: for each rank, the ordered list of actions of one training step.
+
+An action is a forward ``F`` or backward ``B`` of one micro-batch on one (virtual) stage, or the
+point-to-point traffic around it: ``recv_f``/``send_f`` move the hidden state from stage ``s`` to
+``s + 1``, ``recv_b``/``send_b`` move its gradient back. Stage ``s`` lives on rank ``s % P``;
+with ``V`` virtual stages per rank, rank ``r`` holds stages ``r, r + P, ..., r + (V - 1) P``
+("looped" placement of Narayanan et al. 2021, arXiv 2104.04473 §2.2).
+
+Schedules (all flush the pipeline once per step, so the update equals one device's):
+
+* ``gpipe``: every forward, then every backward (Huang et al. 2019, arXiv 1811.06965). Keeps
+  the activations of all ``M`` micro-batches alive.
+* ``1f1b``: PipeDream-Flush (Narayanan et al. 2021, arXiv 2006.09503) as written in Megatron-LM:
+  ``min(P - r - 1, M)`` warm-up forwards, then one forward / one backward, then the cool-down
+  backwards. At most ``P - r`` micro-batches are in flight on rank ``r``.
+* ``interleaved_1f1b``: the same with ``V`` model chunks per rank (arXiv 2104.04473 §2.2): the
+  bubble shrinks by ``V`` at the price of ``V`` times more messages.
+
+Sends are asynchronous and receives block; ``validate`` proves under exactly these semantics that
+a set of rank schedules is complete, matched and deadlock-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_parallel.pipeline.errors import PipelineConfigError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+COMPUTE = ("F", "B")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a rank's schedule: ``op`` on micro-batch ``microbatch`` of stage ``stage``."""
+
+    op: str  # "F", "B", "recv_f", "send_f", "recv_b", "send_b"
+    microbatch: int
+    stage: int
+
+    def __repr__(self) -> str:
+        return f"{self.op}{self.microbatch}@{self.stage}"
+
+
+def _forward(mb: int, stage: int, num_stages: int) -> list[Action]:
+    """Receive the input (unless first stage), compute, send the output (unless last stage)."""
+    acts = [] if stage == 0 else [Action("recv_f", mb, stage)]
+    acts.append(Action("F", mb, stage))
+    if stage < num_stages - 1:
+        acts.append(Action("send_f", mb, stage))
+    return acts
+
+
+def _backward(mb: int, stage: int, num_stages: int) -> list[Action]:
+    """Receive the output's gradient (unless last stage), compute, send the input's gradient."""
+    acts = [] if stage == num_stages - 1 else [Action("recv_b", mb, stage)]
+    acts.append(Action("B", mb, stage))
+    if stage > 0:
+        acts.append(Action("send_b", mb, stage))
+    return acts
+
+
+def _check(stages: int, micro_batches: int, rank: int, virtual_stages: int = 1) -> None:
+    if stages < 1 or micro_batches < 1 or virtual_stages < 1:
+        raise PipelineConfigError(
+            f"stages ({stages}), micro_batches ({micro_batches}) and virtual_stages ({virtual_stages}) "
+            "must all be at least 1"
+        )
+    if not 0 <= rank < stages:
+        raise PipelineConfigError(f"rank {rank} is outside the {stages} pipeline stages (0..{stages - 1})")
+
+
+def schedule_gpipe(stages: int, micro_batches: int, rank: int) -> list[Action]:
+    """GPipe: all forwards in micro-batch order, then all backwards."""
+    _check(stages, micro_batches, rank)
+    acts: list[Action] = []
+    for mb in range(micro_batches):
+        acts += _forward(mb, rank, stages)
+    for mb in range(micro_batches):
+        acts += _backward(mb, rank, stages)
+    return acts
+
+
+def schedule_1f1b(stages: int, micro_batches: int, rank: int) -> list[Action]:
+    """1F1B (PipeDream-Flush) with Megatron-LM's warm-up of ``min(P - rank - 1, M)`` forwards."""
+    _check(stages, micro_batches, rank)
+    warmup = min(stages - rank - 1, micro_batches)
+    acts: list[Action] = []
+    # warm-up: fill the pipeline
+    for mb in range(warmup):
+        acts += _forward(mb, rank, stages)
+    # steady state: one forward, then the backward of the oldest micro-batch in flight
+    for i in range(micro_batches - warmup):
+        acts += _forward(warmup + i, rank, stages)
+        acts += _backward(i, rank, stages)
+    # cool-down: drain the backwards still owed
+    for mb in range(micro_batches - warmup, micro_batches):
+        acts += _backward(mb, rank, stages)
+    return acts
+
+
+def schedule_interleaved_1f1b(stages: int, micro_batches: int, rank: int, virtual_stages: int) -> list[Action]:
+    """Interleaved 1F1B: ``V`` chunks per rank, micro-batches taken in groups of ``P``.
+
+    Forwards visit (group, chunk, micro-batch) in that nesting order, backwards the same with the
+    chunks reversed; the warm-up is Megatron-LM's ``2 (P - rank - 1) + (V - 1) P`` forwards.
+    """
+    _check(stages, micro_batches, rank, virtual_stages)
+    if virtual_stages < 2:
+        raise PipelineConfigError(f"interleaved_1f1b needs virtual_stages >= 2, got {virtual_stages}; use 1f1b")
+    if micro_batches % stages:
+        valid = [m for m in range(stages, 4 * stages + 1, stages)]
+        raise PipelineConfigError(
+            f"interleaved_1f1b needs micro_batches divisible by the {stages} pipeline stages, got "
+            f"{micro_batches}; valid values include {valid}"
+        )
+    total_stages = stages * virtual_stages
+    order = [
+        (group * stages + i, chunk)
+        for group in range(micro_batches // stages)
+        for chunk in range(virtual_stages)
+        for i in range(stages)
+    ]
+    forwards = [(mb, chunk * stages + rank) for mb, chunk in order]
+    backwards = [(mb, (virtual_stages - 1 - chunk) * stages + rank) for mb, chunk in order]
+    total = len(order)
+    warmup = min(2 * (stages - rank - 1) + (virtual_stages - 1) * stages, total)
+    acts: list[Action] = []
+    for mb, stage in forwards[:warmup]:
+        acts += _forward(mb, stage, total_stages)
+    for i in range(total - warmup):
+        acts += _forward(*forwards[warmup + i], total_stages)
+        acts += _backward(*backwards[i], total_stages)
+    for mb, stage in backwards[total - warmup :]:
+        acts += _backward(mb, stage, total_stages)
+    return acts
+
+
+def build_schedule(name: str, stages: int, micro_batches: int, rank: int, virtual_stages: int = 1) -> list[Action]:
+    """The action list of ``rank`` for schedule ``name`` (one of ``SCHEDULES``)."""
+    if name == "interleaved_1f1b":
+        return schedule_interleaved_1f1b(stages, micro_batches, rank, virtual_stages)
+    if name not in SCHEDULES:
+        raise PipelineConfigError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if virtual_stages != 1:
+        raise PipelineConfigError(
+            f"schedule {name!r} runs one stage per rank, got virtual_stages={virtual_stages}; "
+            "use schedule='interleaved_1f1b' or virtual_stages=1"
+        )
+    return (schedule_gpipe if name == "gpipe" else schedule_1f1b)(stages, micro_batches, rank)
+
+
+def all_ranks(name: str, stages: int, micro_batches: int, virtual_stages: int = 1) -> list[list[Action]]:
+    """``build_schedule`` for every rank."""
+    return [build_schedule(name, stages, micro_batches, r, virtual_stages) for r in range(stages)]
+
+
+# ---- validation ------------------------------------------------------------------------------
+_MATCH = {"send_f": ("recv_f", 1), "send_b": ("recv_b", -1)}
+
+
+def validate(schedules: list[list[Action]], micro_batches: int) -> None:
+    """Raise ``PipelineConfigError`` unless the rank schedules form one correct training step.
+
+    Complete: every (micro-batch, stage) is forwarded once and then backwarded once, on the rank
+    that holds the stage, with its receives before and its sends after the compute. Matched: each
+    send has exactly one receive on the neighbouring stage. Deadlock-free: executing all ranks
+    with asynchronous sends and blocking receives reaches the end of every list.
+    """
+    ranks = len(schedules)
+    total = 1 + max(a.stage for acts in schedules for a in acts)
+    expected = {(mb, s) for mb in range(micro_batches) for s in range(total)}
+    for rank, acts in enumerate(schedules):
+        seen: dict[tuple[str, int, int], int] = {}
+        for pos, a in enumerate(acts):
+            if a.stage % ranks != rank:
+                raise PipelineConfigError(f"rank {rank} runs {a}, but stage {a.stage} lives on rank {a.stage % ranks}")
+            if (a.op, a.microbatch, a.stage) in seen:
+                raise PipelineConfigError(f"rank {rank} runs {a} twice")
+            seen[(a.op, a.microbatch, a.stage)] = pos
+        mine = {(mb, s) for mb, s in expected if s % ranks == rank}
+        for op in COMPUTE:
+            got = {(mb, s) for (o, mb, s) in seen if o == op}
+            if got != mine:
+                raise PipelineConfigError(f"rank {rank}: {op} missing for {sorted(mine - got)}, extra {sorted(got - mine)}")
+        for mb, s in mine:
+            f, b = seen[("F", mb, s)], seen[("B", mb, s)]
+            order = [("recv_f", f, s > 0, "<"), ("send_f", f, s < total - 1, ">"),
+                     ("recv_b", b, s < total - 1, "<"), ("send_b", b, s > 0, ">")]
+            if f > b:
+                raise PipelineConfigError(f"rank {rank}: backward of micro-batch {mb} stage {s} precedes its forward")
+            for op, anchor, needed, side in order:
+                pos = seen.get((op, mb, s))
+                if needed != (pos is not None) or (pos is not None and (pos < anchor) != (side == "<")):
+                    raise PipelineConfigError(f"rank {rank}: {op} of micro-batch {mb} stage {s} is missing or misplaced")
+    _run_to_completion(schedules)
+
+
+def _run_to_completion(schedules: list[list[Action]]) -> None:
+    """Advance every rank until it blocks on a receive whose send was not yet issued."""
+    sent: set[tuple[str, int, int]] = set()
+    pos = [0] * len(schedules)
+    progress = True
+    while progress:
+        progress = False
+        for rank, acts in enumerate(schedules):
+            while pos[rank] < len(acts):
+                a = acts[pos[rank]]
+                if a.op in ("recv_f", "recv_b") and (a.op, a.microbatch, a.stage) not in sent:
+                    break
+                if a.op in _MATCH:
+                    recv, step = _MATCH[a.op]
+                    sent.add((recv, a.microbatch, a.stage + step))
+                pos[rank] += 1
+                progress = True
+    stuck = {r: schedules[r][p] for r, p in enumerate(pos) if p < len(schedules[r])}
+    if stuck:
+        raise PipelineConfigError(f"schedule deadlocks: ranks wait forever at {stuck}")
+
+
+def schedule_forward_only(stages: int, micro_batches: int, rank: int, virtual_stages: int = 1) -> list[Action]:
+    """Evaluation: every micro-batch through each of the rank's stages, no backward."""
+    total = stages * virtual_stages
+    return [a for mb in range(micro_batches) for s in range(rank, total, stages) for a in _forward(mb, s, total)]
+
+
+def send_completion_points(schedules: list[list[Action]]) -> list[dict[int, int]]:
+    """For each rank, send index -> index of its first later action that proves the send was received.
+
+    A send is known delivered once its rank has received a message sent after the matching
+    receive happened (vector clocks over the schedules, Lamport 1978). Waiting on the send there
+    returns at once and frees its buffer; without it a transport may keep every sent activation
+    alive until the end of the step (gloo marks a send complete only when it is waited on). Sends
+    never proven delivered (the last ones of a step) are absent: they are waited at the end.
+    """
+    ranks = len(schedules)
+    clocks: list[list[list[int]]] = [[] for _ in range(ranks)]  # clocks[r][p]: what rank r knows after action p
+    current = [[0] * ranks for _ in range(ranks)]
+    message_clock: dict[tuple[str, int, int], list[int]] = {}
+    received_at: dict[tuple[str, int, int], tuple[int, int]] = {}
+    pos = [0] * ranks
+    progress = True
+    while progress:
+        progress = False
+        for rank, acts in enumerate(schedules):
+            while pos[rank] < len(acts):
+                a = acts[pos[rank]]
+                key = (a.op, a.microbatch, a.stage)
+                if a.op in ("recv_f", "recv_b"):
+                    if key not in message_clock:
+                        break
+                    current[rank] = [max(x, y) for x, y in zip(current[rank], message_clock[key])]
+                    received_at[key] = (rank, pos[rank])
+                current[rank][rank] = pos[rank] + 1
+                if a.op in _MATCH:
+                    recv, step = _MATCH[a.op]
+                    message_clock[(recv, a.microbatch, a.stage + step)] = list(current[rank])
+                clocks[rank].append(list(current[rank]))
+                pos[rank] += 1
+                progress = True
+    points: list[dict[int, int]] = [{} for _ in range(ranks)]
+    for rank, acts in enumerate(schedules):
+        for p, a in enumerate(acts):
+            if a.op not in _MATCH:
+                continue
+            recv, step = _MATCH[a.op]
+            peer, k = received_at[(recv, a.microbatch, a.stage + step)]
+            later = next((j for j in range(p + 1, len(acts)) if clocks[rank][j][peer] > k), None)
+            if later is not None:
+                points[rank][p] = later
+    return points

@@ -1,0 +1,121 @@
+"""Draw a pipeline step as a timeline, ranks by time, so the bubble is visible.
+
+The top panel is the simulator's ideal schedule (forward costs 1, backward 2); with ``--measure``
+a second panel shows the intervals the engine recorded while training the default GPT on
+``--stages`` local CPU processes (gloo). Forward intervals are light, backward dark, each labelled
+with its micro-batch; white space is the bubble.
+
+    python -m lightning_parallel.pipeline.timeline --stages 4 --micro-batches 8 --schedule 1f1b \
+        --measure --out docs/pipeline_timeline.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import tempfile
+import warnings
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lightning_parallel.pipeline.schedules import SCHEDULES, all_ranks
+from lightning_parallel.pipeline.simulator import Interval, simulate
+
+_COLOURS = {"F": ("#9ecae1", "#6baed6"), "B": ("#3182bd", "#08519c")}  # (chunk 0, other chunks)
+
+
+def bubble_fraction(intervals: list[Interval], ranks: int) -> float:
+    """Idle share of ``ranks`` x step time, the step spanning the earliest start to the latest end."""
+    step = max(i.end for i in intervals) - min(i.start for i in intervals)
+    return 1.0 - sum(i.end - i.start for i in intervals) / (ranks * step)
+
+
+def _draw(ax, intervals: list[Interval], ranks: int, title: str, unit: str) -> None:
+    for i in intervals:
+        colour = _COLOURS[i.op][0 if i.stage < ranks else 1]
+        ax.barh(i.rank, i.end - i.start, left=i.start, height=0.8, color=colour, edgecolor="black", linewidth=0.4)
+        ax.text((i.start + i.end) / 2, i.rank, str(i.microbatch), ha="center", va="center", fontsize=7,
+                color="white" if i.op == "B" else "black")
+    ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
+    ax.invert_yaxis()
+    ax.set_xlabel(unit)
+    ax.set_title(f"{title}: bubble {bubble_fraction(intervals, ranks):.1%} of the step")
+
+
+def render(path: str, stages: int, micro_batches: int, schedule: str, virtual_stages: int = 1,
+           measured: Optional[list[Interval]] = None) -> None:
+    """Save the simulated (and, if given, measured) timeline of one step to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sim = simulate(all_ranks(schedule, stages, micro_batches, virtual_stages), 1 / virtual_stages, 2 / virtual_stages)
+    panels = 2 if measured else 1
+    fig, axes = plt.subplots(panels, 1, figsize=(12, 1.2 + 0.55 * stages * panels), squeeze=False)
+    name = f"{schedule}, P={stages}, M={micro_batches}" + (f", V={virtual_stages}" if virtual_stages > 1 else "")
+    _draw(axes[0][0], sim.intervals, stages, f"simulated {name} (backward = 2 x forward)", "time (forward units)")
+    if measured:
+        t0 = min(i.start for i in measured)
+        shifted = [Interval(i.rank, i.op, i.microbatch, i.stage, (i.start - t0) * 1e3, (i.end - t0) * 1e3) for i in measured]
+        _draw(axes[1][0], shifted, stages, f"measured {name}, default GPT on CPU", "time (ms)")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _record(rank: int, stages: int, micro_batches: int, schedule: str, virtual_stages: int, port: int, out: str) -> None:
+    warnings.filterwarnings("ignore", message=".*self.log.*")
+    from lightning_parallel.mesh import ParallelMesh
+    from lightning_parallel.models.gpt import GPT
+    from lightning_parallel.pipeline.engine import PipelineEngine
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=stages)
+    torch.manual_seed(0)
+    model = GPT(n_layer=4 * virtual_stages)
+    mesh = ParallelMesh(stages, pipeline_parallel=stages).init_process_groups(rank)
+    engine = PipelineEngine(model, mesh, micro_batches, schedule, virtual_stages)
+    engine.partition()
+    batch = (torch.randint(0, 256, (4 * micro_batches, 64)), torch.randint(0, 256, (4 * micro_batches, 64)))
+    for step in range(3):  # the last step is recorded, after warm-up
+        engine.timeline = [] if step == 2 else None
+        dist.barrier()
+        engine.training_step(batch, step)
+    torch.save([vars(i) for i in engine.timeline], f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def measure(stages: int, micro_batches: int, schedule: str, virtual_stages: int = 1) -> list[Interval]:
+    """Intervals of one training step of the default GPT on ``stages`` local processes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_record, (stages, micro_batches, schedule, virtual_stages, port, out),
+                           nprocs=stages, start_method="fork")
+        return [Interval(**i) for r in range(stages) for i in torch.load(f"{out}/rank{r}.pt")]
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    parser.add_argument("--virtual-stages", type=int, default=1)
+    parser.add_argument("--measure", action="store_true", help="also run the default GPT and draw what happened")
+    parser.add_argument("--out", default="pipeline_timeline.png")
+    args = parser.parse_args(argv)
+    measured = measure(args.stages, args.micro_batches, args.schedule, args.virtual_stages) if args.measure else None
+    render(args.out, args.stages, args.micro_batches, args.schedule, args.virtual_stages, measured)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

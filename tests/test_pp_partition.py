@@ -1,0 +1,206 @@
+"""Partition of an unchanged model into pipeline stages (pure logic, one process)."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_parallel.models.gpt import GPT
+from lightning_parallel.pipeline.errors import PipelineConfigError, PipelineIncompatibleModel
+from lightning_parallel.pipeline.microbatch import split_batch
+from lightning_parallel.pipeline.partition import balance, find_blocks, plan_stages, shared_parameters
+from lightning_parallel.pipeline.stage_modules import StageExit, StageRuntime, apply_stage_plan
+
+
+def gpt(n_layer=4):
+    torch.manual_seed(0)
+    return GPT(n_layer=n_layer, n_embd=32, n_head=2, block_size=16)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, bias=None):
+        return torch.tanh(self.lin(x)) if bias is None else (torch.tanh(self.lin(x) + bias), bias * 2)
+
+
+class Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        x = self.emb(x)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(x)
+
+
+class Scaled(Plain):
+    """Computes between blocks: cannot be split at a block boundary."""
+
+    def forward(self, x):
+        x = self.emb(x)
+        for blk in self.blocks:
+            x = blk(x) * 0.9
+        return self.head(x)
+
+
+class CrossState(Plain):
+    """Passes a second tensor from block to block (T5's position bias)."""
+
+    def forward(self, x):
+        x, bias = self.emb(x), torch.zeros(8)
+        for blk in self.blocks:
+            x, bias = blk(x, bias)
+        return self.head(x)
+
+
+class HeadFirst(Plain):
+    """Uses a module registered after the blocks before them."""
+
+    def forward(self, x):
+        x = self.emb(x)
+        _ = self.head(x)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(x)
+
+
+class NoBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+
+def run_stage(model, stage, ranks=2, received=None):
+    """Run ``model`` as pipeline stage ``stage`` of ``ranks`` in this process."""
+    plan = plan_stages(model, ranks)
+    runtime = StageRuntime()
+    apply_stage_plan(model, plan, stage, runtime)
+    runtime.begin(plan.stage_blocks[stage], stage < ranks - 1, received, 0)
+    try:
+        return model(torch.randn(3, 4))
+    finally:
+        runtime.end()
+
+
+def test_finds_the_largest_list_of_repeated_blocks():
+    assert find_blocks(gpt())[0] == "transformer.h"
+    assert find_blocks(Plain())[0] == "blocks"
+
+
+def test_model_without_block_list_is_a_clear_error():
+    with pytest.raises(PipelineIncompatibleModel, match="no nn.ModuleList"):
+        plan_stages(NoBlocks(), 2)
+    with pytest.raises(PipelineConfigError, match="not a submodule"):
+        plan_stages(gpt(), 2, blocks="transformer.blocks")
+
+
+def test_pre_and_post_modules_follow_registration_around_the_blocks():
+    plan = plan_stages(gpt(), 2)
+    assert plan.pre == ("transformer.wte", "transformer.wpe")
+    assert plan.post == ("transformer.ln_f", "lm_head")
+
+
+@pytest.mark.parametrize("costs,parts,expected", [
+    ([1] * 8, 2, [4, 4]), ([1] * 8, 4, [2, 2, 2, 2]), ([5, 1, 1, 1, 1, 5], 2, [3, 3]), ([1, 1, 1, 1, 4], 2, [4, 1]),
+])
+def test_balance_minimises_the_largest_stage(costs, parts, expected):
+    assert balance(costs, parts) == expected
+
+
+def test_balance_counts_what_the_end_stages_carry_besides_blocks():
+    assert balance([1] * 6, 2, first_extra=2) == [2, 4]
+
+
+@pytest.mark.parametrize("ranks,virtual", [(1, 1), (2, 1), (3, 1), (4, 1), (2, 2), (4, 2)])
+def test_every_block_is_assigned_exactly_once_in_contiguous_stages(ranks, virtual):
+    plan = plan_stages(gpt(8), ranks, virtual)
+    assert [i for r in plan.stage_blocks for i in r] == list(range(8))
+    assert len(plan.stage_blocks) == ranks * virtual and all(len(r) >= 1 for r in plan.stage_blocks)
+
+
+def test_more_stages_than_blocks_is_a_clear_error():
+    with pytest.raises(PipelineConfigError, match="only 4 blocks; use at most 4 stages"):
+        plan_stages(gpt(4), 8)
+
+
+def test_layout_from_config_is_used_and_checked():
+    assert [len(r) for r in plan_stages(gpt(4), 2, layout=[1, 3]).stage_blocks] == [1, 3]
+    with pytest.raises(PipelineConfigError, match="summing to the model's 4 blocks"):
+        plan_stages(gpt(4), 2, layout=[1, 2])
+
+
+def test_stage_keeps_only_its_parameters_and_the_block_names():
+    full = gpt()
+    names = set(full.state_dict())
+    counts = []
+    for stage in range(2):
+        model = gpt()
+        apply_stage_plan(model, plan_stages(model, 2), stage, StageRuntime())
+        assert len(model.transformer.h) == 4
+        assert set(model.state_dict()) <= names
+        opt_params = {id(p) for g in model.configure_optimizers().param_groups for p in g["params"]}
+        assert opt_params == {id(p) for p in model.parameters()}
+        counts.append(sum(p.numel() for p in model.parameters()))
+    tied = full.lm_head.weight.numel()
+    assert sum(counts) == sum(p.numel() for p in full.parameters()) + tied  # the tied weight lives on both ends
+    assert max(counts) < 0.6 * sum(counts)
+
+
+def test_tied_embedding_and_head_are_shared_by_first_and_last_rank():
+    model = gpt()
+    assert shared_parameters(model, plan_stages(model, 4)) == [("transformer.wte.weight", (0, 3))]
+
+
+def test_stage_output_is_the_hidden_state_of_its_last_block():
+    with pytest.raises(StageExit) as exit_:
+        run_stage(Plain(), 0)
+    assert exit_.value.hidden.shape == (3, 8)
+
+
+def test_last_stage_computes_the_model_output_from_the_received_hidden_state():
+    assert run_stage(Plain(), 1, received=torch.randn(3, 8)).shape == (3, 2)
+
+
+def test_operation_between_blocks_is_refused():
+    with pytest.raises(PipelineIncompatibleModel, match="an operation runs between blocks"):
+        run_stage(Scaled(), 1, received=torch.randn(3, 8))
+
+
+def test_state_other_than_the_hidden_state_between_blocks_is_refused():
+    with pytest.raises(PipelineIncompatibleModel, match="other than the hidden state"):
+        run_stage(CrossState(), 0)
+
+
+def test_module_used_out_of_registration_order_is_refused():
+    with pytest.raises(PipelineIncompatibleModel, match="registered after the block list but runs before"):
+        run_stage(HeadFirst(), 1, received=torch.randn(3, 8))
+
+
+# ---- micro-batches ---------------------------------------------------------------------------
+
+
+def test_batch_of_tensors_tuples_and_dicts_splits_along_dim0():
+    batch = {"ids": torch.arange(8).view(8, 1), "pair": (torch.zeros(8), torch.ones(8, 2)), "flag": "train"}
+    micro, weights = split_batch(batch, 4)
+    assert [m["ids"].flatten().tolist() for m in micro] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert all(m["pair"][1].shape == (2, 2) and m["flag"] == "train" for m in micro)
+    assert weights == [0.25] * 4
+
+
+def test_uneven_micro_batches_are_weighted_by_their_share_of_the_batch():
+    losses = torch.rand(10)
+    micro, weights = split_batch(losses, 4)
+    assert [len(m) for m in micro] == [3, 3, 2, 2]
+    # sum of weight x micro-batch mean equals the full batch mean
+    assert sum(w * m.mean() for w, m in zip(weights, micro)) == pytest.approx(losses.mean().item(), rel=1e-6)
+
+
+def test_batch_smaller_than_micro_batch_count_is_a_clear_error():
+    with pytest.raises(PipelineConfigError, match="cannot be split into micro_batches=4"):
+        split_batch(torch.zeros(3, 2), 4)
