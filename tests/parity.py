@@ -27,7 +27,7 @@ class _Recorder(Callback):
         self.losses.append(float(loss))
 
     def on_train_end(self, trainer, pl_module):
-        params = {n: p.detach().cpu().clone() for n, p in pl_module.named_parameters()}
+        params = {n: p.detach().cpu().clone() for n, p in pl_module.named_parameters(remove_duplicate=False)}
         record = {"losses": self.losses, "params": params, "global_step": trainer.global_step,
                   "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
         torch.save(record, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))

@@ -1,0 +1,149 @@
+"""Shard a model in place according to resolved plan assignments (no collectives).
+
+The full weights are already identical on every TP rank (the strategy broadcasts them from rank
+0), so each shard is a slice of the existing parameter: TP initialisation equals the
+single-device one. Parameters shared by two modules (a tied embedding and output head, both split
+by vocabulary rows) are sliced once and stay shared.
+"""
+
+from __future__ import annotations
+
+from types import MethodType
+from typing import Optional
+
+from torch import nn
+
+from .attention import FusedAttentionParts, ParallelMultiheadAttention, tp_causal_attention_forward
+from .comm import SEQ_DIM, scatter_to_region
+from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from .plan import find_fused_attention
+from .random import ShardedDropout, TPRandom
+from .resolve import Assignment, is_conv1d, linear_features
+from .shard import TPShard, slice_shard
+
+
+class _Sharder:
+    """Slices parameters for one TP rank, once per parameter (ties survive)."""
+
+    def __init__(self, mesh) -> None:
+        self.mesh = mesh
+        self.done: dict[int, nn.Parameter] = {}
+
+    def __call__(self, param: Optional[nn.Parameter], shard: TPShard) -> Optional[nn.Parameter]:
+        if param is None:
+            return None
+        if id(param) in self.done:
+            return self.done[id(param)]
+        dim = shard.dim % param.dim()
+        if shard.fused == 1 and param.shape[dim] % self.mesh.tp_size:
+            shard = TPShard(dim=shard.dim, full_size=param.shape[dim])  # pad, remember the true size
+        new = nn.Parameter(
+            slice_shard(param.detach(), shard, self.mesh.tp_rank, self.mesh.tp_size), requires_grad=param.requires_grad
+        )
+        new.tp_shard = shard
+        self.done[id(param)] = new
+        return new
+
+
+def _colwise(m: nn.Module, shard: _Sharder, fused: int, gather_output: bool, sp: bool) -> ColumnParallelLinear:
+    t = is_conv1d(m)  # weight (in, out): the output features are dim 1
+    in_features, out_features = linear_features(m)
+    weight = shard(m.weight, TPShard(dim=1 if t else 0, fused=fused))
+    bias = shard(m.bias, TPShard(dim=0, fused=fused))
+    return ColumnParallelLinear(weight, bias, shard.mesh.tp_group, out_features, gather_output, sp, t)
+
+
+def _rowwise(m: nn.Module, shard: _Sharder, sp: bool) -> RowParallelLinear:
+    t = is_conv1d(m)
+    weight = shard(m.weight, TPShard(dim=0 if t else 1))
+    return RowParallelLinear(weight, m.bias, shard.mesh.tp_group, linear_features(m)[0], sp, t)
+
+
+def _vocab(m: nn.Embedding, shard: _Sharder, sp: bool) -> VocabParallelEmbedding:
+    return VocabParallelEmbedding(
+        shard(m.weight, TPShard(dim=0)), shard.mesh.tp_group, shard.mesh.tp_rank, m.num_embeddings, m.padding_idx, sp
+    )
+
+
+def _multihead(m: nn.MultiheadAttention, shard: _Sharder, rng: TPRandom, sp: bool) -> ParallelMultiheadAttention:
+    qkv = TPShard(dim=0, fused=3)
+    out = RowParallelLinear(
+        shard(m.out_proj.weight, TPShard(dim=1)), m.out_proj.bias, shard.mesh.tp_group, m.embed_dim, sp
+    )
+    return ParallelMultiheadAttention(
+        shard(m.in_proj_weight, qkv),
+        shard(m.in_proj_bias, qkv),
+        out,
+        m.num_heads,
+        m.dropout,
+        m.batch_first,
+        shard.mesh.tp_group,
+        shard.mesh.tp_rank,
+        rng,
+        sp,
+    )
+
+
+def _fused_attention(m: nn.Module, shard: _Sharder, rng: TPRandom, sp: bool) -> nn.Module:
+    """Shard a nanoGPT-shaped attention's projections and bind the TP-aware forward to it."""
+    parts = find_fused_attention(m)
+    setattr(m, parts.qkv, _colwise(getattr(m, parts.qkv), shard, 3, False, sp))
+    setattr(m, parts.out, _rowwise(getattr(m, parts.out), shard, sp))
+    local_heads = parts.heads // shard.mesh.tp_size
+    m.tp_attention = FusedAttentionParts(parts.qkv, parts.out, local_heads, parts.dropout, parts.resid_dropout, rng)
+    m.forward = MethodType(tp_causal_attention_forward, m)
+    return m
+
+
+def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, new)
+
+
+def apply_plan(
+    root: nn.Module, assignments: list[Assignment], mesh, sequence_parallel: bool, rng: TPRandom
+) -> list[Assignment]:
+    """Shard every assigned module; returns the assignments with ``module`` set to the new module."""
+    shard = _Sharder(mesh)
+    sp = sequence_parallel
+    entry_modules: list[nn.Module] = []
+    for a in assignments:
+        m, style = a.module, a.entry.style
+        for attr in a.entry.divide:
+            setattr(m, attr, getattr(m, attr) // mesh.tp_size)
+        if style == "colwise":
+            new = _colwise(m, shard, a.entry.fused, a.entry.gather_output, sp)
+        elif style == "rowwise":
+            new = _rowwise(m, shard, sp)
+        elif style == "vocab":
+            new = _vocab(m, shard, sp)
+        elif style == "attention" and isinstance(m, nn.MultiheadAttention):
+            new = _multihead(m, shard, rng, sp)
+        elif style == "attention":
+            new = _fused_attention(m, shard, rng, sp)
+        else:
+            new = m
+            if style == "sequence_scatter" and sp:
+                group = mesh.tp_group
+                m.register_forward_hook(lambda _m, _i, out: scatter_to_region(out, group, dim=SEQ_DIM))
+                entry_modules.append(m)
+        if new is not m:
+            _replace(root, a.name, new)
+        a.module = new
+    if sp:
+        _mark_sequence_parallel(root, entry_modules, rng)
+    return assignments
+
+
+def _mark_sequence_parallel(root: nn.Module, entry_modules: list[nn.Module], rng: TPRandom) -> None:
+    """Under sequence parallelism every replicated parameter sees only this rank's tokens, so its
+    gradient is partial (summed over TP by ``sync_sequence_parallel_grads``); the modules whose
+    replicated output enters the region get full gradients through the scatter's all-gather.
+    Dropout there acts on sequence shards, so it draws from the per-rank stream."""
+    skip = {id(p) for m in entry_modules for p in m.parameters()}
+    for p in root.parameters():
+        if not hasattr(p, "tp_shard") and id(p) not in skip:
+            p.sequence_parallel = True
+    for name, m in list(root.named_modules()):
+        if type(m) is nn.Dropout:
+            _replace(root, name, ShardedDropout(m.p, m.inplace, rng))

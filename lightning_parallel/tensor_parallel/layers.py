@@ -1,0 +1,167 @@
+"""Megatron-LM's tensor-parallel layers (Shoeybi et al. 2019, arXiv 1909.08053, §3).
+
+Each layer holds only its shard of the weights and is built from an existing ``nn.Linear`` /
+``nn.Embedding`` whose full weights are already identical on every TP rank (see ``plan.py``), so
+a shard is exactly the matching slice of the single-device initialisation.
+
+With ``sequence_parallel`` (Korthikanti et al. 2022, arXiv 2205.05198) the activations between
+layers are split along the sequence: a column layer all-gathers its input instead of the ``f``
+identity, and a row layer reduce-scatters its output instead of the ``g`` all-reduce.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .comm import (
+    copy_to_region,
+    gather_from_region,
+    gather_from_sequence_region,
+    reduce_from_region,
+    reduce_scatter_to_sequence_region,
+)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = X A^T + b`` with the rows of ``A`` (output features) split across TP ranks.
+
+    The input is replicated (or, with sequence parallelism, a sequence shard that is gathered);
+    the output is this rank's slice of the features, or the full features when ``gather_output``
+    (trimmed to ``out_features`` when the rows were padded). ``transposed``: the weight is stored
+    ``(in, out)``, as in Hugging Face's ``Conv1D`` (GPT-2), and keeps that layout.
+    """
+
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: Optional[nn.Parameter],
+        group,
+        out_features: int,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        transposed: bool = False,
+    ) -> None:
+        super().__init__()
+        self.weight = weight  # (out / tp, in), or (in, out / tp) when transposed
+        self.bias = bias  # (out / tp,) or None
+        self.group = group
+        self.transposed = transposed
+        self.in_features = weight.shape[0 if transposed else 1]
+        self.out_features = out_features
+        self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence_region(x, self.group)  # (b, s/tp, in) -> (b, s, in)
+        else:
+            x = copy_to_region(x, self.group)  # f: identity, all-reduce in backward
+        weight = self.weight.t() if self.transposed else self.weight
+        y = F.linear(x, weight, self.bias)  # (b, s, in) @ (in, out/tp) = (b, s, out/tp)
+        if self.gather_output:
+            y = gather_from_region(y, self.group)  # (b, s, out) (padded)
+            if y.shape[-1] != self.out_features:
+                y = y[..., : self.out_features]
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"local_out={self.weight.shape[1 if self.transposed else 0]}, gather_output={self.gather_output}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X A^T + b`` with the columns of ``A`` (input features) split across TP ranks.
+
+    The input is already split along its last dimension (the output of a column layer); the
+    partial products are summed across ranks (or reduce-scattered along the sequence) and the
+    bias, which is replicated, is added once after that reduction. ``transposed`` as in
+    ``ColumnParallelLinear``.
+    """
+
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: Optional[nn.Parameter],
+        group,
+        in_features: int,
+        sequence_parallel: bool = False,
+        transposed: bool = False,
+    ) -> None:
+        super().__init__()
+        self.weight = weight  # (out, in / tp), or (in / tp, out) when transposed
+        self.bias = bias  # (out,) replicated
+        self.group = group
+        self.transposed = transposed
+        self.in_features = in_features
+        self.out_features = weight.shape[1 if transposed else 0]
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(
+            x, self.weight.t() if self.transposed else self.weight
+        )  # (b, s, in/tp) @ (in/tp, out) = (b, s, out), partial sum
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_region(y, self.group)  # (b, s/tp, out)
+        else:
+            y = reduce_from_region(y, self.group)  # g: all-reduce
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"local_in={self.weight.shape[0 if self.transposed else 1]}, sequence_parallel={self.sequence_parallel}"
+        )
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding whose vocabulary rows are split across TP ranks.
+
+    Each rank looks up the ids in its row range ``[start, start + rows)``, zeroes the rows of ids
+    it does not own, and the partial results are summed across ranks (Megatron's
+    ``VocabParallelEmbedding``); with sequence parallelism the sum is a reduce-scatter along the
+    sequence, which is where the sequence-parallel region begins.
+    """
+
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        group,
+        tp_rank: int,
+        num_embeddings: int,
+        padding_idx: Optional[int] = None,
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__()
+        self.weight = weight  # (padded vocab / tp, dim)
+        self.group = group
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = weight.shape[1]
+        self.vocab_start = tp_rank * weight.shape[0]
+        self.padding_idx = padding_idx
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.shape[0]
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_start + rows)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        local_pad = None
+        if self.padding_idx is not None and 0 <= self.padding_idx - self.vocab_start < rows:
+            local_pad = self.padding_idx - self.vocab_start
+        out = F.embedding(local_ids, self.weight, padding_idx=local_pad)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_region(out, self.group)
+        return reduce_from_region(out, self.group)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "
+            f"local_rows={self.weight.shape[0]}, vocab_start={self.vocab_start}"
+        )
