@@ -2,8 +2,9 @@
 
 Same model, same global batch (64 sequences of 64 bytes), same Lightning loop; only the layout
 changes. Memory is measured per rank: model state (parameters + gradients + optimizer state held by
-that rank, exact bytes) and the peak resident set during training (``VmHWM`` after resetting it with
-``/proc/self/clear_refs`` at the start of training, so the shared interpreter is not counted).
+that rank, exact bytes) and how far the resident set grew above its level at the start of training
+(peak ``VmHWM`` after resetting it with ``/proc/self/clear_refs``, minus ``VmRSS`` then), which leaves
+out the interpreter and libraries every process carries.
 
 Run: ``python benchmarks/3d.py [--steps 12] [--repeats 3]``. On 2 CPU cores 8 processes contend
 for time, so compare layouts with each other, not with a GPU cluster.
@@ -37,6 +38,7 @@ class Probe(L.Callback):
     def on_train_start(self, trainer, pl_module):
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset the peak-RSS counter
+        self.rss0 = _status_kib("VmRSS")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.warmup:
@@ -50,9 +52,13 @@ class Probe(L.Callback):
         opt = trainer.optimizers[0]
         state += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
                      if isinstance(t, torch.Tensor) and t.dim() > 0)
-        hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
+        growth = _status_kib("VmHWM") - self.rss0
         rate = (trainer.global_step - self.warmup) / elapsed
-        torch.save((rate, state, hwm * 1024), os.path.join(self.out_dir, f"{trainer.global_rank}.pt"))
+        torch.save((rate, state, growth * 1024), os.path.join(self.out_dir, f"{trainer.global_rank}.pt"))
+
+
+def _status_kib(field: str) -> int:
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field))
 
 
 def run_layout(dp: int, tp: int, pp: int, steps: int, warmup: int, global_batch: int, zero: int) -> tuple:
@@ -87,13 +93,13 @@ def main() -> None:
     base = statistics.median(r[0] for r in results[LAYOUTS[0]])
     print(f"\nGPT {sum(p.numel() for p in GPT().parameters()) / 1e3:.0f}k params, 8 processes, global batch "
           f"{args.global_batch} x 64 tokens, ZeRO-{args.zero}, median of {args.repeats}")
-    print(f"{'layout':<16} {'steps/s':>8} {'vs DP8':>7} {'model state/rank':>17} {'peak RSS/rank':>14}")
+    print(f"{'layout':<16} {'steps/s':>8} {'vs DP8':>7} {'model state/rank':>17} {'peak RSS growth/rank':>21}")
     for (dp, tp, pp), runs in results.items():
         rate = statistics.median(r[0] for r in runs)
         state = statistics.median(r[1] for r in runs)
         hwm = statistics.median(r[2] for r in runs)
         name = f"DP{dp} TP{tp} PP{pp}"
-        print(f"{name:<16} {rate:>8.2f} {rate / base:>6.2f}x {state / 2**20:>14.2f} MiB {hwm / 2**20:>10.1f} MiB")
+        print(f"{name:<16} {rate:>8.2f} {rate / base:>6.2f}x {state / 2**20:>14.2f} MiB {hwm / 2**20:>17.1f} MiB")
 
 
 if __name__ == "__main__":

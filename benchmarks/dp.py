@@ -82,9 +82,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=16, help="per process")
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="DataParallelStrategy bucket size")
     args = parser.parse_args()
     variants = {
-        "lightning_parallel": lambda: DataParallelStrategy(start_method="fork"),
+        "lightning_parallel": lambda: DataParallelStrategy(start_method="fork", bucket_size_mb=args.bucket_mb),
         "torch DDP": lambda: DDPStrategy(start_method="fork"),
         "naive": lambda: NaiveAllReduce(start_method="fork"),
     }
