@@ -66,7 +66,8 @@ def wait_for(job: str, timeout: float, states=FINAL_STATES) -> str:
 
 def train_losses(run_dir: Path, version: int = 0) -> list[tuple[int, float]]:
     with open(run_dir / f"logs/version_{version}/metrics.csv") as f:
-        return [(int(r["step"]), float(r["train_loss"])) for r in csv.DictReader(f) if r["train_loss"]]
+        # the logger rewrites its header as new metrics appear: early rows may lack train_loss
+        return [(int(r["step"]), float(r["train_loss"])) for r in csv.DictReader(f) if r.get("train_loss")]
 
 
 def check_trained(run_dir: Path, log: str, steps: int) -> None:
