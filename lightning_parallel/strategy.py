@@ -40,10 +40,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_parallel.checkpoint import load_sharded, save_sharded
 from lightning_parallel.clipping import clip_grads_by_global_norm
 from lightning_parallel.data_parallel import GradientSynchronizer
 from lightning_parallel.data_parallel.zero import ZeroOneSharding
 from lightning_parallel.launcher import MultiProcessingLauncher
+from lightning_parallel.init import UnsplitModel, empty_parameters, has_meta_parameters, materialize
 from lightning_parallel.mesh import ParallelMesh
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -231,8 +233,13 @@ class ParallelStrategy(_LightningParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        _broadcast_module(module, src=0)
+        on_meta = has_meta_parameters(module)
+        if on_meta:  # nothing to broadcast yet: every rank derives the same values from one seed
+            unsplit = UnsplitModel.of(module)
+            seed = self.broadcast(torch.initial_seed())
+        else:
+            self.model_to_device()
+            _broadcast_module(module, src=0)
         if self.tensor_parallel > 1:
             from lightning_parallel.tensor_parallel import parallelize
 
@@ -255,6 +262,11 @@ class ParallelStrategy(_LightningParallelStrategy):
                     "'16-mixed' needs a loss scaler the pipeline does not apply"
                 )
             self.pipeline.partition()
+        if on_meta:  # only this rank's stage and shards are ever allocated
+            materialize(module, unsplit, self.mesh.tp_rank, self.mesh.tp_size, self.root_device, seed)
+            self.model_to_device()
+            if self.pipeline is not None:
+                self.pipeline.link.device = self.root_device
         if trainer.state.fn == TrainerFn.FITTING:
             if self.mesh.dp_size > 1:
                 self.grad_sync = GradientSynchronizer(
@@ -277,6 +289,44 @@ class ParallelStrategy(_LightningParallelStrategy):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator:
+        """``trainer.init_module(empty_init=True)``: parameters on the meta device, materialised in
+        ``setup`` only for this rank's stage and shards (``init.py``)."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with empty_parameters(), self.precision_plugin.tensor_init_context():
+            yield
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # load into the set-up (possibly split) model, so each rank reads only what it holds
+        return True
+
+    def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if not self.is_model_split:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported with a "
+                            "split model: it writes a directory of shards itself, without the CheckpointIO plugin")
+        save_sharded(self, checkpoint, filepath)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict:
+        if self.zero is not None:
+            raise NotImplementedError(
+                "checkpoints with zero_stage=1 are not supported yet: each rank holds a slice of the optimizer "
+                "state. Train with zero_stage=0 to checkpoint, or save weights only "
+                "(ModelCheckpoint(save_weights_only=True))"
+            )
+        return super().optimizer_state(optimizer)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict:
+        # a plain file or a directory of shards, written on any layout
+        return load_sharded(self, checkpoint_path, weights_only)
 
     # ---- steps ---------------------------------------------------------------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

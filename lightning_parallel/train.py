@@ -20,6 +20,8 @@ import lightning as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from lightning_parallel.strategy import ParallelStrategy
+
 
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit `cfg.model` on `cfg.data` with `cfg.trainer`; return the final logged metrics."""
@@ -31,9 +33,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
     L.seed_everything(cfg.seed, workers=True)
     # plain Python arguments, so the hyperparameters saved in checkpoints load with weights_only
     datamodule = instantiate(cfg.data, _convert_="all")
-    model = instantiate(cfg.model, _convert_="all")
     callbacks = [instantiate(c) for c in cfg.callbacks.values()]
     trainer = instantiate(cfg.trainer, callbacks=callbacks)
+    # our strategies create the parameters on the meta device and materialise only what each rank
+    # holds; other strategies (Lightning's own) build the model as usual
+    with trainer.init_module(empty_init=isinstance(trainer.strategy, ParallelStrategy)):
+        model = instantiate(cfg.model, _convert_="all")
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     if trainer.is_global_zero and "val_loss" in metrics:

@@ -40,8 +40,19 @@ def slurm():
         pytest.skip(reason)
 
 
+def job_env() -> dict[str, str]:
+    """This environment without the rendezvous variables earlier in-process launches left behind.
+
+    sbatch exports the submitting environment; a stale MASTER_PORT would make every job on the node
+    rendezvous on one port, and two concurrent jobs would then join each other's process group.
+    """
+    stale = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK"}
+    return {k: v for k, v in os.environ.items() if k not in stale}
+
+
 def sbatch(cwd: Path, *args: str) -> str:
-    out = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, capture_output=True, text=True, timeout=30, check=True)
+    out = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, env=job_env(), capture_output=True, text=True,
+                         timeout=30, check=True)
     return out.stdout.strip().split(";")[0]
 
 
@@ -110,7 +121,7 @@ def test_submitit_multirun_sweeps_on_slurm(slurm, tmp_path):
             "lp-train", "--multirun", "+recipe=[gpt2_cpu_dp2,submitit]", "model.lr=3e-3,1e-3",
             "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=5", f"hydra.sweep.dir={sweep}",
         ],
-        cwd=tmp_path, capture_output=True, text=True, timeout=220, check=False,
+        cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=220, check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     for job in ("0", "1"):

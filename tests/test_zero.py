@@ -53,3 +53,16 @@ def test_zero1_dp2_matches_single_device(tmp_path, clip):
 def test_zero_stage_is_validated():
     with pytest.raises(ValueError, match="zero_stage must be 0"):
         DataParallelStrategy(zero_stage=3)
+
+
+@pytest.mark.timeout(60)
+def test_zero1_refuses_a_full_checkpoint_rather_than_saving_one_slice(tmp_path):
+    class Save(L.Callback):
+        def on_train_end(self, trainer, pl_module):
+            trainer.save_checkpoint(str(tmp_path / "z.ckpt"))
+
+    L.seed_everything(0)
+    strategy = DataParallelStrategy(start_method="fork", zero_stage=1)
+    with pytest.raises(Exception, match="zero_stage=1 are not supported"):
+        fit_and_record(GatedNet(), gated_data(), batch_size=8, out_dir=str(tmp_path), devices=2, strategy=strategy,
+                       max_steps=1, callbacks=[Save()])

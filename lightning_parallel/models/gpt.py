@@ -118,17 +118,18 @@ class GPT(L.LightningModule):
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight
         self.val_loss_mean = MeanMetric()
-        self.apply(self._init_weights)
         # GPT-2: scale the residual projections by 1/sqrt(2 * n_layer), since each block adds
         # two of them to the residual stream and its variance would otherwise grow with depth.
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
+        for block in self.transformer.h:
+            for proj in (block.attn.c_proj, block.mlp.c_proj):
+                proj.init_std_scale = 1 / math.sqrt(2 * n_layer)
+        self.apply(self._init_weights)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
+        """Per-module init, so it can be replayed module by module (e.g. after meta-device creation)."""
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            nn.init.normal_(module.weight, mean=0.0, std=0.02 * getattr(module, "init_std_scale", 1.0))
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 

@@ -1,0 +1,63 @@
+"""``lp-consolidate``: a sharded checkpoint directory -> one plain Lightning checkpoint file.
+
+The output is what a single-device run would have saved: full tensors under the model's own
+names and optimizer states in ``configure_optimizers`` order, so the unchanged module loads it
+with ``MyModule.load_from_checkpoint(path)`` or resumes with ``Trainer(...).fit(ckpt_path=path)``.
+Each parameter group also records its ``param_names`` (torch's convention), which lets the same
+file resume on any parallel layout again: ``ParallelStrategy`` reads plain files and shard
+directories alike.
+
+    lp-consolidate checkpoints/epoch=0-step=100.ckpt model.ckpt
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from lightning_parallel.checkpoint.format import (
+    full_optimizer_state,
+    full_tensor,
+    index_optimizer_state,
+    unsplit_group_names,
+)
+from lightning_parallel.checkpoint.io import is_sharded_checkpoint, read_checkpoint
+
+
+def consolidate(path: Path) -> dict[str, Any]:
+    """The plain Lightning checkpoint equivalent to the sharded checkpoint at ``path``."""
+    if not is_sharded_checkpoint(path):
+        raise ValueError(f"{path} is not a sharded checkpoint directory (it has no meta.pt)")
+    meta, pieces = read_checkpoint(path)
+    names = list(dict.fromkeys(n for p in pieces for n in p.tensors))
+    checkpoint = {k: v for k, v in meta.items() if k != "lightning_parallel"}
+    checkpoint["state_dict"] = {n: full_tensor(n, pieces).clone() for n in names}
+    if all(p.optimizers for p in pieces):
+        layouts = {n: layout for p in pieces for n, layout in p.layouts.items()}
+        checkpoint["optimizer_states"] = []
+        for i, named in enumerate(pieces[0].optimizers):
+            group_names = unsplit_group_names(pieces, i)
+            state = {n: full_optimizer_state(n, i, pieces, layouts[n]) for group in group_names for n in group}
+            plain = index_optimizer_state(named, state, group_names)
+            for group, group_params in zip(plain["param_groups"], group_names, strict=True):
+                group["param_names"] = group_params
+            checkpoint["optimizer_states"].append(plain)
+    return checkpoint
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="lp-consolidate", description="Turn a sharded checkpoint directory into one plain Lightning checkpoint."
+    )
+    parser.add_argument("checkpoint", type=Path, help="sharded checkpoint directory written by ParallelStrategy")
+    parser.add_argument("output", type=Path, help="plain .ckpt file to write")
+    args = parser.parse_args(argv)
+    torch.save(consolidate(args.checkpoint), args.output)
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
