@@ -23,6 +23,7 @@ a set of rank schedules is complete, matched and deadlock-free.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from lightning_parallel.pipeline.errors import PipelineConfigError
 
@@ -196,8 +197,12 @@ def validate(schedules: list[list[Action]], micro_batches: int) -> None:
     _run_to_completion(schedules)
 
 
-def _run_to_completion(schedules: list[list[Action]]) -> None:
-    """Advance every rank until it blocks on a receive whose send was not yet issued."""
+def replay(schedules: list[list[Action]], visit: Callable[[int, int, Action], None] = lambda r, p, a: None) -> list[int]:
+    """Advance every rank in turn until it blocks on a receive whose send has not run yet.
+
+    ``visit(rank, position, action)`` is called for each action as it runs, sends before the
+    receives they enable. Returns how far each rank got (its schedule's length when it finished).
+    """
     sent: set[tuple[str, int, int]] = set()
     pos = [0] * len(schedules)
     progress = True
@@ -208,11 +213,22 @@ def _run_to_completion(schedules: list[list[Action]]) -> None:
                 a = acts[pos[rank]]
                 if a.op in ("recv_f", "recv_b") and (a.op, a.microbatch, a.stage) not in sent:
                     break
+                visit(rank, pos[rank], a)
                 if a.op in _MATCH:
-                    recv, step = _MATCH[a.op]
-                    sent.add((recv, a.microbatch, a.stage + step))
+                    sent.add(matching_receive(a))
                 pos[rank] += 1
                 progress = True
+    return pos
+
+
+def matching_receive(send: Action) -> tuple[str, int, int]:
+    """The (op, micro-batch, stage) key of the receive that ``send`` satisfies."""
+    recv, step = _MATCH[send.op]
+    return recv, send.microbatch, send.stage + step
+
+
+def _run_to_completion(schedules: list[list[Action]]) -> None:
+    pos = replay(schedules)
     stuck = {r: schedules[r][p] for r, p in enumerate(pos) if p < len(schedules[r])}
     if stuck:
         raise PipelineConfigError(f"schedule deadlocks: ranks wait forever at {stuck}")
@@ -238,33 +254,24 @@ def send_completion_points(schedules: list[list[Action]]) -> list[dict[int, int]
     current = [[0] * ranks for _ in range(ranks)]
     message_clock: dict[tuple[str, int, int], list[int]] = {}
     received_at: dict[tuple[str, int, int], tuple[int, int]] = {}
-    pos = [0] * ranks
-    progress = True
-    while progress:
-        progress = False
-        for rank, acts in enumerate(schedules):
-            while pos[rank] < len(acts):
-                a = acts[pos[rank]]
-                key = (a.op, a.microbatch, a.stage)
-                if a.op in ("recv_f", "recv_b"):
-                    if key not in message_clock:
-                        break
-                    current[rank] = [max(x, y) for x, y in zip(current[rank], message_clock[key])]
-                    received_at[key] = (rank, pos[rank])
-                current[rank][rank] = pos[rank] + 1
-                if a.op in _MATCH:
-                    recv, step = _MATCH[a.op]
-                    message_clock[(recv, a.microbatch, a.stage + step)] = list(current[rank])
-                clocks[rank].append(list(current[rank]))
-                pos[rank] += 1
-                progress = True
+
+    def visit(rank: int, p: int, a: Action) -> None:
+        key = (a.op, a.microbatch, a.stage)
+        if a.op in ("recv_f", "recv_b"):
+            current[rank] = [max(x, y) for x, y in zip(current[rank], message_clock[key])]
+            received_at[key] = (rank, p)
+        current[rank][rank] = p + 1
+        if a.op in _MATCH:
+            message_clock[matching_receive(a)] = list(current[rank])
+        clocks[rank].append(list(current[rank]))
+
+    replay(schedules, visit)
     points: list[dict[int, int]] = [{} for _ in range(ranks)]
     for rank, acts in enumerate(schedules):
         for p, a in enumerate(acts):
             if a.op not in _MATCH:
                 continue
-            recv, step = _MATCH[a.op]
-            peer, k = received_at[(recv, a.microbatch, a.stage + step)]
+            peer, k = received_at[matching_receive(a)]
             later = next((j for j in range(p + 1, len(acts)) if clocks[rank][j][peer] > k), None)
             if later is not None:
                 points[rank][p] = later

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_parallel.pipeline.schedules import Action, _MATCH
+from lightning_parallel.pipeline.schedules import Action, matching_receive, replay
 
 
 @dataclass
@@ -38,32 +38,23 @@ def simulate(schedules: list[list[Action]], forward_cost: float = 1.0, backward_
     """Run the schedules (assumed valid) and measure the ideal step."""
     ready_at: dict[tuple[str, int, int], float] = {}
     clock = [0.0] * len(schedules)
-    pos = [0] * len(schedules)
     in_flight = [0] * len(schedules)
     peak = [0] * len(schedules)
     intervals: list[Interval] = []
-    progress = True
-    while progress:
-        progress = False
-        for rank, acts in enumerate(schedules):
-            while pos[rank] < len(acts):
-                a = acts[pos[rank]]
-                key = (a.op, a.microbatch, a.stage)
-                if a.op in ("recv_f", "recv_b"):
-                    if key not in ready_at:
-                        break
-                    clock[rank] = max(clock[rank], ready_at[key])
-                elif a.op in _MATCH:
-                    recv, step = _MATCH[a.op]
-                    ready_at[(recv, a.microbatch, a.stage + step)] = clock[rank]
-                else:
-                    cost = forward_cost if a.op == "F" else backward_cost
-                    intervals.append(Interval(rank, a.op, a.microbatch, a.stage, clock[rank], clock[rank] + cost))
-                    clock[rank] += cost
-                    in_flight[rank] += 1 if a.op == "F" else -1
-                    peak[rank] = max(peak[rank], in_flight[rank])
-                pos[rank] += 1
-                progress = True
+
+    def visit(rank: int, _: int, a: Action) -> None:
+        if a.op in ("recv_f", "recv_b"):
+            clock[rank] = max(clock[rank], ready_at[(a.op, a.microbatch, a.stage)])
+        elif a.op in ("send_f", "send_b"):
+            ready_at[matching_receive(a)] = clock[rank]
+        else:
+            cost = forward_cost if a.op == "F" else backward_cost
+            intervals.append(Interval(rank, a.op, a.microbatch, a.stage, clock[rank], clock[rank] + cost))
+            clock[rank] += cost
+            in_flight[rank] += 1 if a.op == "F" else -1
+            peak[rank] = max(peak[rank], in_flight[rank])
+
+    replay(schedules, visit)
     step = max(clock)
     busy = sum(i.end - i.start for i in intervals)
     return Simulation(step, 1.0 - busy / (step * len(schedules)), peak, intervals)
