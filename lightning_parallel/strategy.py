@@ -30,6 +30,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy as _LightningParallelStrategy
@@ -47,6 +48,9 @@ from lightning_parallel.data_parallel.zero import ZeroOneSharding
 from lightning_parallel.launcher import MultiProcessingLauncher
 from lightning_parallel.init import UnsplitModel, empty_parameters, has_meta_parameters, materialize
 from lightning_parallel.mesh import ParallelMesh
+from lightning_parallel.pipeline import PipelineEngine
+from lightning_parallel.slurm_checks import validate_launch
+from lightning_parallel.tensor_parallel import parallelize, sync_sequence_parallel_grads
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
@@ -206,8 +210,6 @@ class ParallelStrategy(_LightningParallelStrategy):
         self.set_world_ranks()
         # every rank checks the allocation, the layout and the model before any collective, so a
         # bad launch fails with the same message everywhere instead of hanging
-        from lightning_parallel.slurm_checks import validate_launch
-
         self._resolve_sizes()
         sizes = {"tensor_parallel": self.tensor_parallel, "pipeline_parallel": self.pipeline_parallel,
                  "data_parallel": self.data_parallel}
@@ -241,12 +243,8 @@ class ParallelStrategy(_LightningParallelStrategy):
             self.model_to_device()
             _broadcast_module(module, src=0)
         if self.tensor_parallel > 1:
-            from lightning_parallel.tensor_parallel import parallelize
-
             parallelize(module, self.mesh, plan=self.tp_plan, sequence_parallel=self.sequence_parallel)
         if self.pipeline_parallel > 1:
-            from lightning_parallel.pipeline import PipelineEngine
-
             self.pipeline = PipelineEngine(
                 module,
                 self.mesh,
@@ -282,8 +280,6 @@ class ParallelStrategy(_LightningParallelStrategy):
         if self.is_model_split or self.zero is not None:
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm
         if trainer.state.fn == TrainerFn.FITTING:
-            from lightning.fabric.utilities.optimizer import _optimizers_to_device
-
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def model_to_device(self) -> None:
@@ -398,8 +394,6 @@ class ParallelStrategy(_LightningParallelStrategy):
         if self.zero is not None:
             self.zero.attach_grads()
         if self.sequence_parallel and self.tensor_parallel > 1:
-            from lightning_parallel.tensor_parallel import sync_sequence_parallel_grads
-
             sync_sequence_parallel_grads(self._grad_holders(), self.mesh)
 
     def _grad_holders(self) -> torch.nn.Module:
