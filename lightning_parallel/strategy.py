@@ -49,6 +49,7 @@ from lightning_parallel.launcher import MultiProcessingLauncher
 from lightning_parallel.init import UnsplitModel, empty_parameters, has_meta_parameters, materialize
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.pipeline import PipelineEngine
+from lightning_parallel.requeue import DeferredRequeue
 from lightning_parallel.slurm_checks import validate_launch
 from lightning_parallel.tensor_parallel import parallelize, sync_sequence_parallel_grads
 
@@ -137,6 +138,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         self.pipeline = None  # pipeline.PipelineEngine when pipeline_parallel > 1
         self.zero: Optional[ZeroOneSharding] = None
         self._sync_blocked = False
+        self._requeue = DeferredRequeue(None)
 
     # ---- what Lightning asks of a parallel strategy ---------------------------------------------
     @property
@@ -228,6 +230,7 @@ class ParallelStrategy(_LightningParallelStrategy):
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         self.mesh = mesh.init_process_groups(self.global_rank)
+        self._requeue = DeferredRequeue(self.cluster_environment)
 
     # ---- model set-up --------------------------------------------------------------------------
     def setup(self, trainer: Any) -> None:
@@ -358,6 +361,11 @@ class ParallelStrategy(_LightningParallelStrategy):
             return super().predict_step(*args, **kwargs)
         with self.precision_plugin.predict_step_context():
             return self.pipeline.predict_step(*args, **kwargs)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Lightning registers its signal handlers after setup; take the requeue one over once
+        self._requeue.install()
+        self._requeue.at_batch_boundary(self.root_device)
 
     # ---- gradients -----------------------------------------------------------------------------
     @contextmanager

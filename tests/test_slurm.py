@@ -85,7 +85,9 @@ def check_trained(run_dir: Path, log: str, steps: int) -> None:
     losses = train_losses(run_dir)
     assert losses[-1][1] < losses[0][1], f"loss did not fall: {losses}"
     last = run_dir / "logs/version_0/checkpoints/last.ckpt"
-    assert torch.load(last, map_location="cpu", weights_only=False)["global_step"] == steps
+    # a split model (TP or PP) writes a directory of shards whose meta.pt holds the loop state
+    meta = last / "meta.pt" if last.is_dir() else last
+    assert torch.load(meta, map_location="cpu", weights_only=False)["global_step"] == steps
     assert "peak per device" in log  # lp-plan checked the layout before srun
 
 
