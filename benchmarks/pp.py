@@ -2,8 +2,9 @@
 
 The default GPT (4 blocks, d=128, T=64) in 2 stages of 2 blocks, batch 64 in 8 micro-batches,
 2 local CPU processes (gloo, fork, one thread each). Peers: ``Schedule1F1B`` and
-``ScheduleGPipe`` driving hand-written stage modules with the same weights (their stages do not
-tie the embedding to the head; ours do and sum the tied gradient every step). For each we print
+``ScheduleGPipe`` driving hand-written stage modules with the same weights; as in ours, the
+embedding on the first stage and the head on the last (one tied weight in the GPT) get their
+gradients summed every step. For each we print
 training steps per second, the bubble measured from the forward and backward intervals of one
 step, and the peak growth of resident memory per rank during one step (medians over repeats).
 Each repeat launches every implementation once, one after the other, so a change in machine load
@@ -129,6 +130,8 @@ def build(impl: str, rank: int, micro_batches: int):
     stage.forward_one_chunk = timed(stage.forward_one_chunk, intervals, rank, "F")
     stage.backward_one_chunk = timed(stage.backward_one_chunk, intervals, rank, "B")
 
+    tied = module.wte.weight if rank == 0 else module.lm_head.weight
+
     def step(batch, record):
         x, y = batch
         intervals.clear()
@@ -137,6 +140,8 @@ def build(impl: str, rank: int, micro_batches: int):
             schedule.step(x)
         else:
             schedule.step(target=y)
+        # the GPT ties its embedding to its head: each stage holds a copy whose gradient is the sum
+        dist.all_reduce(tied.grad)
         opt.step()
         return list(intervals) if record else None
     return step

@@ -142,6 +142,27 @@ def llama():
     return LlamaModule()
 
 
+def _uneven(rank, world):
+    warnings.filterwarnings("ignore")
+    mesh = make_mesh(rank, world, pp=world)
+    model = gpt()
+    engine = PipelineEngine(model, mesh, 4, "1f1b")
+    engine.partition()
+    result = train_pipeline(mesh, gpt, batches(batch=10), 4, "1f1b")
+    engine.training_step(batches(steps=1, batch=10)[0], 0)
+    return result, sorted(size for _, size in engine.link.received)
+
+
+@pytest.mark.timeout(60)
+def test_uneven_micro_batches_match_and_send_one_shape_header_per_size():
+    """A batch of 10 in 4 micro-batches (3, 3, 2, 2): the loss is still the batch mean, and the last
+    stage learns a shape once per micro-batch size (2 headers a step, not 4)."""
+    results = run_distributed(_uneven, 2)
+    assert_matches(single_device(gpt, batches(batch=10)), [r for r, _ in results])
+    assert results[0][1] == []  # the first stage receives no hidden states
+    assert results[1][1] == [0.2, 0.3]
+
+
 def _llama(rank, world):
     warnings.filterwarnings("ignore")
     return train_pipeline(make_mesh(rank, world, pp=world), llama, batches(vocab=128), 4, "1f1b")
@@ -196,9 +217,9 @@ def _sent_outputs_storage(rank, world):
     engine.partition()
     sent, exchange = [], engine.link.exchange
 
-    def recording_exchange(sends_f, *args):
+    def recording_exchange(sends_f, *args, **kwargs):
         sent.extend(out for _, _, out, _ in sends_f)
-        return exchange(sends_f, *args)
+        return exchange(sends_f, *args, **kwargs)
 
     engine.link.exchange = recording_exchange
     engine.training_step(batches(steps=1)[0], 0)

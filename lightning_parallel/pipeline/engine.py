@@ -139,6 +139,7 @@ class PipelineEngine:
         if self.link is None:
             raise RuntimeError("PipelineEngine.partition() must run before the first step")
         micro, weights = split_batch(batch, self.micro_batches)
+        self.link.new_step()
         last = self.plan.num_stages - 1
         inputs: dict = {}  # (mb, stage) -> received hidden state
         conventions: dict = {}
@@ -158,7 +159,8 @@ class PipelineEngine:
                     j = i
                     while j < len(actions) and actions[j].op in _COMM:
                         j += 1
-                    self._communicate(actions, i, j, outputs, out_meta, conventions, input_grads, inputs, grads, sending)
+                    self._communicate(actions, i, j, outputs, out_meta, conventions, input_grads, inputs, grads, sending,
+                                     weights)
                     i = j
                     continue
                 a = actions[i]
@@ -228,7 +230,8 @@ class PipelineEngine:
                 (out,), (grads.pop(key),), False, False, (), True, True
             )
 
-    def _communicate(self, actions, start, stop, outputs, out_meta, conventions, input_grads, inputs, grads, sending):
+    def _communicate(self, actions, start, stop, outputs, out_meta, conventions, input_grads, inputs, grads, sending,
+                     weights):
         sends_f, sends_b, recvs_f, recvs_b = [], [], [], []
         send_f_at, send_b_at = [], []
         for index in range(start, stop):
@@ -245,7 +248,8 @@ class PipelineEngine:
                 recvs_f.append(key)
             else:
                 recvs_b.append((a.microbatch, a.stage, *out_meta.pop(key)))
-        received, received_grads, works = self.link.exchange(sends_f, sends_b, recvs_f, recvs_b)
+        received, received_grads, works = self.link.exchange(sends_f, sends_b, recvs_f, recvs_b,
+                                                             size_of=weights.__getitem__)
         for key, (tensor, convention) in received.items():
             inputs[key], conventions[key] = tensor, convention
         grads.update(received_grads)
