@@ -32,9 +32,9 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy as _LightningParallelStrategy
-from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -215,13 +215,12 @@ class ParallelStrategy(_LightningParallelStrategy):
         self._resolve_sizes()
         sizes = {"tensor_parallel": self.tensor_parallel, "pipeline_parallel": self.pipeline_parallel,
                  "data_parallel": self.data_parallel}
-        validate_launch(
+        mesh = validate_launch(
             sizes, self.num_nodes, self.num_processes,
             model=self.lightning_module if self.is_model_split else None,
             tp_plan=self.tp_plan, sequence_parallel=self.sequence_parallel, pipeline_blocks=self.pipeline_blocks,
             virtual_stages=self.virtual_stages, pipeline_layout=self.pipeline_layout,
         )
-        mesh = self._planned_mesh()
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
@@ -244,7 +243,7 @@ class ParallelStrategy(_LightningParallelStrategy):
             seed = self.broadcast(torch.initial_seed())
         else:
             self.model_to_device()
-            _broadcast_module(module, src=0)
+            _sync_module_states(module)  # rank 0's initial values everywhere (bucketed broadcasts)
         if self.tensor_parallel > 1:
             parallelize(module, self.mesh, plan=self.tp_plan, sequence_parallel=self.sequence_parallel)
         if self.pipeline_parallel > 1:
@@ -406,11 +405,7 @@ class ParallelStrategy(_LightningParallelStrategy):
 
     def _grad_holders(self) -> torch.nn.Module:
         """The module whose parameters hold the gradients now (ZeRO-1's pieces, when sharded)."""
-        if self.zero is None:
-            return self.lightning_module
-        holder = torch.nn.Module()
-        holder.pieces = torch.nn.ParameterList([piece for piece, *_ in self.zero.pieces])
-        return holder
+        return self.lightning_module if self.zero is None else self.zero.holder
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         params = list(self.precision_plugin.main_params(optimizer))
@@ -505,21 +500,3 @@ class PipelineParallelStrategy(ParallelStrategy):
     def _resolve_sizes(self) -> None:
         if self._pp_all:
             self.pipeline_parallel = max(1, self.num_nodes * self.num_processes // self.tensor_parallel)
-
-
-@torch.no_grad()
-def _broadcast_module(module: torch.nn.Module, src: int) -> None:
-    """Give every rank the parameters and buffers of rank ``src`` (one flat broadcast per dtype)."""
-    if dist.get_world_size() == 1:
-        return
-    tensors = [t for t in list(module.parameters()) + list(module.buffers()) if t.numel() > 0]
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for group in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in group])
-        dist.broadcast(flat, src)
-        offset = 0
-        for t in group:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()

@@ -56,6 +56,9 @@ class ZeroOneSharding:
                         self.original[piece] = p
                         pieces_of.setdefault(p, []).append(piece)
                 self.flat.append(flat)
+        # the pieces as a module, for code that walks a module's parameters (sequence-parallel sync)
+        self.holder = nn.Module()
+        self.holder.pieces = nn.ParameterList([piece for piece, *_ in self.pieces])
         for optimizer in optimizers:
             if optimizer.state:
                 raise RuntimeError("ZeRO-1 must shard an optimizer before its first step")
@@ -64,10 +67,10 @@ class ZeroOneSharding:
 
     def attach_grads(self) -> None:
         """Give every piece its averaged gradient slice (``None`` where no replica had a gradient)."""
+        used = [bucket.flags.tolist() for bucket in self.sync.buckets]  # one device read per bucket
         for piece, b_idx, i, start in self.pieces:
-            bucket = self.sync.buckets[b_idx]
-            used = bucket.flags[i].item() > 0
-            piece.grad = bucket.shard[start : start + piece.numel()] if used else None
+            shard = self.sync.buckets[b_idx].shard
+            piece.grad = shard[start : start + piece.numel()] if used[b_idx][i] > 0 else None
 
     @torch.no_grad()
     def gather_params(self) -> None:
