@@ -1,12 +1,15 @@
 """Pipeline parallelism: our engine against torch.distributed.pipelining on the same split.
 
 The default GPT (4 blocks, d=128, T=64) in 2 stages of 2 blocks, batch 64 in 8 micro-batches,
-2 local CPU processes (gloo, fork, one thread each). Peers: ``Schedule1F1B`` and
+2 local CPU processes (gloo, fork, one thread and one core each). Peers: ``Schedule1F1B`` and
 ``ScheduleGPipe`` driving hand-written stage modules with the same weights; as in ours, the
 embedding on the first stage and the head on the last (one tied weight in the GPT) get their
 gradients summed every step. For each we print
-training steps per second, the bubble measured from the forward and backward intervals of one
-step, and the peak growth of resident memory per rank during one step (medians over repeats).
+training steps per second and the bubble measured from the forward and backward intervals of one
+step, with the default allocator, and, in separate processes whose allocator returns every freed
+large tensor to the OS, the peak resident memory per rank during a step above what it held once
+the model, optimizer and pipeline were built, so that buffers a pipeline keeps from step to step
+count as well as those it allocates within one (medians over repeats).
 Each repeat launches every implementation once, one after the other, so a change in machine load
 hits all of them alike; the ratio is the median of the per-repeat ratios ours / peer's.
 
@@ -45,9 +48,9 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def peak_growth(fn) -> int:
-    """Largest resident-memory growth over the baseline while ``fn`` runs (sampled every 0.5 ms)."""
-    base, peak, running = rss_bytes(), [0], [True]
+def peak_growth(fn, base: int) -> int:
+    """Largest resident memory above ``base`` while ``fn`` runs (sampled every 0.5 ms)."""
+    peak, running = [0], [True]
 
     def sample():
         while running[0]:
@@ -159,39 +162,50 @@ def release_freed_memory_to_the_os() -> None:
     libc.malloc_trim(0)
 
 
-def worker(rank, impl, args, port, out):
+def worker(rank, impl, args, port, out, measure):
+    """Time steps (default allocator) or, in a fresh process, measure one step's memory growth."""
     warnings.filterwarnings("ignore")
-    release_freed_memory_to_the_os()
+    if measure == "memory":
+        release_freed_memory_to_the_os()  # slows every large allocation, so timing runs without it
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= STAGES:  # one core per stage, so the scheduler cannot stack two stages on one
+        os.sched_setaffinity(0, {cores[rank]})
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=STAGES)
     step = build(impl, rank, args.micro_batches)
+    built = rss_bytes()  # model, optimizer and pipeline built; everything a step adds counts, kept or not
     g = torch.Generator().manual_seed(0)
     batch = (torch.randint(0, 256, (args.batch, 64), generator=g), torch.randint(0, 256, (args.batch, 64), generator=g))
     for _ in range(2):  # warm-up (the peer infers shapes on its first step)
         step(batch, False)
     dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        step(batch, False)
-    dist.barrier()
-    rate = args.steps / (time.perf_counter() - t0)
-    intervals = step(batch, True)
-    dist.barrier()
-    memory = peak_growth(lambda: step(batch, False))
-    torch.save({"rate": rate, "intervals": [vars(i) for i in intervals], "memory": memory}, f"{out}/{rank}.pt")
+    if measure == "memory":
+        result = {"memory": peak_growth(lambda: step(batch, False), built)}
+    else:
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            step(batch, False)
+        dist.barrier()
+        rate = args.steps / (time.perf_counter() - t0)
+        result = {"rate": rate, "intervals": [vars(i) for i in step(batch, True)]}
+    torch.save(result, f"{out}/{rank}.pt")
     dist.destroy_process_group()
 
 
-def run(impl: str, args) -> dict:
+def launch(impl: str, args, measure: str) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(worker, (impl, args, port, out), nprocs=STAGES, start_method="fork")
-        ranks = [torch.load(f"{out}/{r}.pt") for r in range(STAGES)]
-    bubble = bubble_fraction([Interval(**i) for r in ranks for i in r["intervals"]], STAGES)
-    return {"rate": ranks[0]["rate"], "bubble": bubble, "memory": [r["memory"] / 2**20 for r in ranks]}
+        mp.start_processes(worker, (impl, args, port, out, measure), nprocs=STAGES, start_method="fork")
+        return [torch.load(f"{out}/{r}.pt") for r in range(STAGES)]
+
+
+def run(impl: str, args) -> dict:
+    timed_ranks, memory_ranks = launch(impl, args, "time"), launch(impl, args, "memory")
+    bubble = bubble_fraction([Interval(**i) for r in timed_ranks for i in r["intervals"]], STAGES)
+    return {"rate": timed_ranks[0]["rate"], "bubble": bubble, "memory": [r["memory"] / 2**20 for r in memory_ranks]}
 
 
 IMPLS = ("ours-1f1b", "torch-1f1b", "ours-gpipe", "torch-gpipe")

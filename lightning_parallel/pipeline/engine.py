@@ -9,7 +9,10 @@ stand-ins of ``stage_modules`` make it compute only this stage's blocks and stop
 boundary. A backward action back-propagates the received gradient (or, on the last stage, the
 loss scaled once by ``loss_scale`` times the micro-batch's share of the batch). After a forward
 output is sent its storage is released, keeping only the autograd graph (Megatron-LM's
-``deallocate_output_tensor``), and backward then runs through the autograd engine directly.
+``deallocate_output_tensor``), and backward then runs through the autograd engine directly. The
+receives of the next exchange are posted as soon as their shapes are known (``p2p``), and a
+rank's last backward sends its input gradient before computing its weight gradients
+(``_backward``), which shortens the flush at the end of the step.
 """
 
 from __future__ import annotations
@@ -23,23 +26,24 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_parallel.mesh import ParallelMesh
+from lightning_parallel.pipeline.broadcast import broadcast_object
 from lightning_parallel.pipeline.errors import PipelineConfigError
 from lightning_parallel.pipeline.logs import LogCapture, replay
 from lightning_parallel.pipeline.memory import ActivationMeter
-from lightning_parallel.pipeline.microbatch import split_batch
+from lightning_parallel.pipeline.microbatch import signature, split_batch
 from lightning_parallel.pipeline.p2p import StageLink
 from lightning_parallel.pipeline.partition import plan_stages, shared_parameters
 from lightning_parallel.pipeline.schedules import (
     SCHEDULES,
     all_ranks,
+    communication_runs,
+    last_input_backward,
     schedule_forward_only,
     send_completion_points,
     validate,
 )
 from lightning_parallel.pipeline.simulator import Interval
 from lightning_parallel.pipeline.stage_modules import StageExit, StageRuntime, apply_stage_plan
-
-_COMM = ("recv_f", "send_f", "recv_b", "send_b")
 
 
 class PipelineEngine:
@@ -80,6 +84,7 @@ class PipelineEngine:
         self.meter: Optional[ActivationMeter] = None
         self.timeline: Optional[list[Interval]] = None
         self.link: Optional[StageLink] = None
+        self.input_grad_first = True  # see _backward
 
     # ---- setup -----------------------------------------------------------------------------
     def partition(self) -> None:
@@ -97,9 +102,12 @@ class PipelineEngine:
         self.link = StageLink(lambda s: mesh.stage_rank(s % mesh.pp_size), self.plan.num_stages, mesh.pp_group, device)
         train = all_ranks(self.schedule_name, mesh.pp_size, self.micro_batches, self.virtual_stages)
         evaluate = [schedule_forward_only(mesh.pp_size, self.micro_batches, r, self.virtual_stages) for r in range(mesh.pp_size)]
-        # each schedule with the points where this rank's sends are known delivered and can be freed
-        self.actions = (train[rank], send_completion_points(train)[rank])
-        self.eval_actions = (evaluate[rank], send_completion_points(evaluate)[rank])
+        # each schedule with the points where this rank's sends are known delivered and can be freed,
+        # and its runs of communication actions
+        self.actions = (train[rank], send_completion_points(train)[rank], communication_runs(train[rank]),
+                        last_input_backward(train[rank]))
+        self.eval_actions = (evaluate[rank], send_completion_points(evaluate)[rank], communication_runs(evaluate[rank]),
+                             None)
 
     # ---- the strategy's calls ---------------------------------------------------------------
     def training_step(self, batch: Any, batch_idx: int, loss_scale: float = 1.0) -> torch.Tensor:
@@ -139,6 +147,9 @@ class PipelineEngine:
         if self.link is None:
             raise RuntimeError("PipelineEngine.partition() must run before the first step")
         micro, weights = split_batch(batch, self.micro_batches)
+        training = loss_scale is not None
+        # equal on every stage, which all see the same batch: micro-batches with one key give one shape
+        keys = [(w, signature(m), training) for w, m in zip(weights, micro)]
         self.link.new_step()
         last = self.plan.num_stages - 1
         inputs: dict = {}  # (mb, stage) -> received hidden state
@@ -148,27 +159,28 @@ class PipelineEngine:
         grads: dict = {}  # (mb, stage) -> gradient of the output, received
         input_grads: dict = {}
         results: dict = {}  # mb -> what the user's step returned on the last stage
-        actions, delivered_by = schedule
+        actions, delivered_by, runs, split_at = schedule
+        weight_pass = None  # the rest of the step's last backward, run after its input gradient is sent
+        run_at = {start: n for n, (start, _) in enumerate(runs)}
         sending: dict = {}  # action index of a send -> (its works, bytes it keeps alive)
         with self.capture.recording():
             i = 0
             while i < len(actions):
                 for index in [k for k in sending if delivered_by.get(k, len(actions)) < i]:
                     self._release(*sending.pop(index))
-                if actions[i].op in _COMM:
-                    j = i
-                    while j < len(actions) and actions[j].op in _COMM:
-                        j += 1
-                    self._communicate(actions, i, j, outputs, out_meta, conventions, input_grads, inputs, grads, sending,
-                                     weights)
-                    i = j
+                if i in run_at:
+                    n = run_at[i]
+                    self._communicate(actions, *runs[n], outputs, out_meta, conventions, input_grads, inputs, grads,
+                                      sending, keys.__getitem__)
+                    if n + 1 < len(runs):
+                        self._receive_ahead(actions, *runs[n + 1], out_meta, keys.__getitem__)
+                    i = runs[n][1]
                     continue
                 a = actions[i]
                 t0 = time.perf_counter()
                 key = (a.microbatch, a.stage)
                 if a.op == "F":
                     self.capture.weight = weights[a.microbatch]
-                    training = loss_scale is not None
                     received = inputs.get(key) if training else inputs.pop(key, None)  # kept for backward
                     out = self._forward(a.stage, micro[a.microbatch], step_fn, step_args, received,
                                         conventions.get(key), training)
@@ -180,16 +192,22 @@ class PipelineEngine:
                         if self.meter:
                             self.meter.add(outputs[key].untyped_storage().nbytes())
                 else:
-                    self._backward(a.stage == last, results, outputs, grads, key, weights[a.microbatch] * loss_scale)
-                    if a.stage > 0:
-                        received = inputs.pop(key)
-                        input_grads[key] = received.grad if received.grad is not None else torch.zeros_like(received)
-                if self.timeline is not None:
-                    # perf_counter is the system's monotonic clock, comparable across local processes
-                    self.timeline.append(Interval(self.mesh.pp_rank, a.op, a.microbatch, a.stage, t0, time.perf_counter()))
+                    received = inputs.pop(key) if a.stage > 0 else None
+                    grad, weight_pass = self._backward(a.stage == last, results, outputs, grads, key,
+                                                       weights[a.microbatch] * loss_scale, received if i == split_at else None)
+                    if received is not None:
+                        if grad is None:
+                            grad = received.grad if received.grad is not None else torch.zeros_like(received)
+                        input_grads[key] = grad
+                self._record(a.op, a.microbatch, a.stage, t0)
                 i += 1
+            if weight_pass is not None:
+                t0 = time.perf_counter()
+                weight_pass()
+                self._record("W", actions[split_at].microbatch, actions[split_at].stage, t0)
             for works, nbytes in sending.values():
                 self._release(works, nbytes)
+            self.runtime.forget_substitutions()
         return self._finish(results, weights, loss_scale is not None)
 
     def _forward(self, stage, micro_batch, step_fn, step_args, received, convention, training):
@@ -212,7 +230,23 @@ class PipelineEngine:
             )
         return result
 
-    def _backward(self, is_last, results, outputs, grads, key, scale) -> None:
+    def _record(self, op: str, microbatch: int, stage: int, start: float) -> None:
+        if self.timeline is not None:
+            # perf_counter is the system's monotonic clock, comparable across local processes
+            self.timeline.append(Interval(self.mesh.pp_rank, op, microbatch, stage, start, time.perf_counter()))
+
+    def _backward(self, is_last, results, outputs, grads, key, scale, received=None):
+        """Back-propagate one micro-batch; returns ``(input_grad, weight_pass)``, both None unless split.
+
+        Given ``received`` (the stage input, for the rank's last backward only), the gradient of the
+        input is computed first, with the graph kept, and returned with the full backward as
+        ``weight_pass``, which the caller runs once that gradient is on its way. The previous stage
+        starts its own last backward that much earlier, so the cool-down of the flush shrinks by
+        the weight-gradient work of every later stage, the idea of the backward split in Qi et al.
+        2023 (Zero Bubble Pipeline Parallelism, arXiv 2401.10241). The weight pass repeats the
+        input-gradient chain (and, under tensor parallelism, its collectives); it runs while the
+        rank would otherwise wait for the earlier stages to finish the step.
+        """
         if is_last:
             result = results[key[0]]
             loss = result["loss"] if isinstance(result, dict) else result
@@ -221,17 +255,36 @@ class PipelineEngine:
                     "training_step must return a loss tensor that requires grad (or a dict with 'loss') under "
                     f"pipeline parallelism, got {type(result).__name__}"
                 )
-            (loss * scale).backward()
+            root = loss * scale
+            roots, root_grads = (root,), (torch.ones_like(root),)
             results[key[0]] = loss.detach()  # the graph's nodes would keep tensors alive until the step ends
         else:
-            out = outputs.pop(key)
             # the output's storage was released after sending; run the engine on its graph directly
-            torch.autograd.Variable._execution_engine.run_backward(
-                (out,), (grads.pop(key),), False, False, (), True, True
-            )
+            roots, root_grads = (outputs.pop(key),), (grads.pop(key),)
+        engine = torch.autograd.Variable._execution_engine
+
+        def full_backward() -> None:
+            engine.run_backward(roots, root_grads, False, False, (), True, True)
+
+        if received is not None and self.input_grad_first:
+            try:
+                (grad,) = engine.run_backward(roots, root_grads, True, False, (received,), True, False)
+            except RuntimeError:  # e.g. reentrant activation checkpointing, which allows only .backward()
+                self.input_grad_first = False
+            else:
+                return (grad if grad is not None else torch.zeros_like(received)), full_backward
+        full_backward()
+        return None, None
+
+    def _receive_ahead(self, actions, start, stop, out_meta, key_of) -> None:
+        """Post the receives of the run ``[start, stop)`` whose buffers are known now (see ``p2p``)."""
+        recvs_f = [(a.microbatch, a.stage) for a in actions[start:stop] if a.op == "recv_f"]
+        recvs_b = [(a.microbatch, a.stage, *out_meta[(a.microbatch, a.stage)]) for a in actions[start:stop]
+                   if a.op == "recv_b" and (a.microbatch, a.stage) in out_meta]
+        self.link.receive_ahead(recvs_f, recvs_b, key_of)
 
     def _communicate(self, actions, start, stop, outputs, out_meta, conventions, input_grads, inputs, grads, sending,
-                     weights):
+                     key_of):
         sends_f, sends_b, recvs_f, recvs_b = [], [], [], []
         send_f_at, send_b_at = [], []
         for index in range(start, stop):
@@ -248,8 +301,7 @@ class PipelineEngine:
                 recvs_f.append(key)
             else:
                 recvs_b.append((a.microbatch, a.stage, *out_meta.pop(key)))
-        received, received_grads, works = self.link.exchange(sends_f, sends_b, recvs_f, recvs_b,
-                                                             size_of=weights.__getitem__)
+        received, received_grads, works = self.link.exchange(sends_f, sends_b, recvs_f, recvs_b, key_of)
         for key, (tensor, convention) in received.items():
             inputs[key], conventions[key] = tensor, convention
         grads.update(received_grads)
@@ -271,17 +323,18 @@ class PipelineEngine:
     def _finish(self, results: dict, weights: list[float], training: bool) -> Any:
         """Broadcast the last stage's loss (or outputs) and log records; replay the logs everywhere."""
         mesh = self.mesh
-        payload: list[Any] = [None]
+        payload: Any = None
         if mesh.is_last_stage:
             records = self.capture.records()
             if training:
                 value = sum(w * results[mb].float().cpu() for mb, w in enumerate(weights))
             else:
                 value = [results[mb] for mb in sorted(results)]
-            payload = [(value, records)]
+            payload = (value, records)
         if mesh.pp_size > 1:
-            dist.broadcast_object_list(payload, src=mesh.stage_rank(mesh.pp_size - 1), group=mesh.pp_group)
-        value, records = payload[0]
+            payload = broadcast_object(payload, mesh.stage_rank(mesh.pp_size - 1), mesh.pp_group, self.link.device,
+                                       mesh.is_last_stage)
+        value, records = payload
         replay(self.module, records)
         if training:
             return value.to(next(self.module.parameters()).device)

@@ -50,3 +50,21 @@ def split_batch(batch: Any, micro_batches: int) -> tuple[list[Any], list[float]]
         )
     sizes = [len(chunk) for chunk in torch.tensor_split(torch.arange(size), micro_batches)]
     return _split(batch, micro_batches), [s / size for s in sizes]
+
+
+def signature(micro_batch: Any) -> tuple:
+    """A hashable description of a micro-batch's structure: tensor shapes and dtypes, plain values.
+
+    Every stage of a pipeline gets the same batch, so each computes the same signature locally. Two
+    micro-batches with one signature give hidden states of one shape, which lets a stage reuse the
+    shape it learned from an earlier step instead of receiving it again.
+    """
+    if isinstance(micro_batch, torch.Tensor):
+        return ("T", tuple(micro_batch.shape), micro_batch.dtype)
+    if isinstance(micro_batch, dict):
+        return ("D", tuple((k, signature(v)) for k, v in micro_batch.items()))
+    if isinstance(micro_batch, (tuple, list)):
+        return ("S", tuple(signature(v) for v in micro_batch))
+    if micro_batch is None or isinstance(micro_batch, (bool, int, float, str)):
+        return ("V", micro_batch)
+    return ("O", type(micro_batch).__qualname__)

@@ -276,3 +276,29 @@ def send_completion_points(schedules: list[list[Action]]) -> list[dict[int, int]
             if later is not None:
                 points[rank][p] = later
     return points
+
+
+def communication_runs(actions: list[Action]) -> list[tuple[int, int]]:
+    """The ``[start, stop)`` index ranges of consecutive communication actions, in order.
+
+    Each run is posted as one batch; the receives of the run after it may be posted ahead.
+    """
+    runs: list[tuple[int, int]] = []
+    for index, action in enumerate(actions):
+        if action.op in COMPUTE:
+            continue
+        if runs and runs[-1][1] == index:
+            runs[-1] = (runs[-1][0], index + 1)
+        else:
+            runs.append((index, index + 1))
+    return runs
+
+
+def last_input_backward(actions: list[Action]) -> int | None:
+    """Index of the rank's last backward if its stage has an input gradient to send (stage > 0), else None.
+
+    Nothing computes after it on that rank, so the engine may send the input gradient before
+    finishing the weight gradients (see ``PipelineEngine._backward``).
+    """
+    last = max((i for i, a in enumerate(actions) if a.op == "B"), default=None)
+    return last if last is not None and actions[last].stage > 0 else None

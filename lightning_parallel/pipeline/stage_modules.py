@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -49,6 +50,8 @@ class StageRuntime:
     previous_out: tuple = field(default_factory=tuple)
     blocks_started: bool = False
     active: bool = False
+    # id(hidden state a first block was called with) -> weak refs to it and to the received state used instead
+    substituted: dict = field(default_factory=dict)
 
     def begin(self, blocks: range, exits: bool, received: Optional[torch.Tensor], convention: int) -> None:
         self.first_block, self.last_block, self.exits = blocks.start, blocks.stop - 1, exits
@@ -57,6 +60,26 @@ class StageRuntime:
 
     def end(self) -> None:
         self.received, self.previous_out, self.active = None, (), False
+
+    def forget_substitutions(self) -> None:
+        """Drop what ``recompute`` needs; the engine calls it when a step's backwards are done."""
+        self.substituted.clear()
+
+    def recompute(self, forward: Optional[Callable], args: tuple, kwargs: dict):
+        """Run a block again during backward, as activation checkpointing does, with its forward's input.
+
+        The first block of a stage was called with a stand-in hidden state and computed on the
+        received one; the recomputation must use the received one too.
+        """
+        hidden, rest_args, rest_kwargs = _split_input(args, kwargs)
+        if forward is None:  # a block of another stage passes the hidden state through, as in forward
+            return hidden if self.convention == TENSOR else (hidden,)
+        refs = self.substituted.get(id(hidden))
+        if refs is not None and refs[0]() is hidden and refs[1]() is not None:
+            hidden = refs[1]()
+        if args:
+            return forward(hidden, *rest_args, **rest_kwargs)
+        return forward(*rest_args, **dict(rest_kwargs, hidden_states=hidden))
 
     def zeros(self, shape: tuple[int, ...], like: Optional[torch.Tensor]) -> torch.Tensor:
         ref = self.received if self.received is not None else like
@@ -94,6 +117,8 @@ class BlockDispatch:
     def __call__(self, forward: Optional[Callable], *args, **kwargs):
         rt = self.runtime
         if not rt.active:
+            if torch._C._current_graph_task_id() != -1:  # inside backward: activation checkpointing recomputes
+                return rt.recompute(forward, args, kwargs)
             raise RuntimeError(
                 f"block {self.index} was called outside a pipeline step; a partitioned model only runs through "
                 "its PipelineEngine (the Trainer's training, validation, test and predict loops)"
@@ -105,6 +130,7 @@ class BlockDispatch:
             out = hidden if rt.convention == TENSOR else (hidden,)
         else:
             if self.index == rt.first_block and rt.received is not None:
+                rt.substituted[id(hidden)] = (weakref.ref(hidden), weakref.ref(rt.received))
                 hidden = rt.received
             if forward is None or self.index > rt.last_block:
                 raise RuntimeError(f"block {self.index} runs on another pipeline stage; the stage should have ended")
@@ -125,7 +151,9 @@ class BlockDispatch:
         if hidden is not previous[0]:
             raise PipelineIncompatibleModel(
                 f"block {self.index}: its hidden-state input is not the output of block {self.index - 1} (an "
-                "operation runs between blocks); only the blocks themselves may transform the hidden state"
+                "operation runs between blocks); only the blocks themselves may transform the hidden state. "
+                "Reentrant activation checkpointing (torch.utils.checkpoint(..., use_reentrant=True)) also returns a "
+                "new tensor between blocks; use use_reentrant=False, which pipeline stages support"
             )
         extra = [t for t in previous[1:] if isinstance(t, torch.Tensor)]
         if any(a is t for a in (*rest_args, *rest_kwargs.values()) for t in extra):

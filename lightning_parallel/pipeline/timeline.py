@@ -25,7 +25,8 @@ import torch.multiprocessing as mp
 from lightning_parallel.pipeline.schedules import SCHEDULES, all_ranks
 from lightning_parallel.pipeline.simulator import Interval, simulate
 
-_COLOURS = {"F": ("#9ecae1", "#6baed6"), "B": ("#3182bd", "#08519c")}  # (chunk 0, other chunks)
+# (chunk 0, other chunks); W is the weight-gradient pass the engine runs after a stage's last input gradient
+_COLOURS = {"F": ("#9ecae1", "#6baed6"), "B": ("#3182bd", "#08519c"), "W": ("#756bb1", "#54278f")}
 
 
 def bubble_fraction(intervals: list[Interval], ranks: int) -> float:
@@ -39,7 +40,7 @@ def _draw(ax, intervals: list[Interval], ranks: int, title: str, unit: str) -> N
         colour = _COLOURS[i.op][0 if i.stage < ranks else 1]
         ax.barh(i.rank, i.end - i.start, left=i.start, height=0.8, color=colour, edgecolor="black", linewidth=0.4)
         ax.text((i.start + i.end) / 2, i.rank, str(i.microbatch), ha="center", va="center", fontsize=7,
-                color="white" if i.op == "B" else "black")
+                color="black" if i.op == "F" else "white")
     ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
     ax.invert_yaxis()
     ax.set_xlabel(unit)
