@@ -1,7 +1,7 @@
 """Pipeline parallelism: our engine against torch.distributed.pipelining on the same split.
 
 The default GPT (4 blocks, d=128, T=64) in 2 stages of 2 blocks, batch 64 in 8 micro-batches,
-2 local CPU processes (gloo, fork, one thread and one core each). Peers: ``Schedule1F1B`` and
+2 local CPU processes (gloo, fork, one thread each). Peers: ``Schedule1F1B`` and
 ``ScheduleGPipe`` driving hand-written stage modules with the same weights; as in ours, the
 embedding on the first stage and the head on the last (one tied weight in the GPT) get their
 gradients summed every step. For each we print
@@ -168,9 +168,6 @@ def worker(rank, impl, args, port, out, measure):
     if measure == "memory":
         release_freed_memory_to_the_os()  # slows every large allocation, so timing runs without it
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) >= STAGES:  # one core per stage, so the scheduler cannot stack two stages on one
-        os.sched_setaffinity(0, {cores[rank]})
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=STAGES)
     step = build(impl, rank, args.micro_batches)
