@@ -9,6 +9,7 @@ parallel rank of one replica sees the same batch.
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 
@@ -23,11 +24,13 @@ def text_files(path: str | Path | None) -> list[Path]:
     """The files to read, in a fixed order: `path` itself, every file under it, or the stdlib."""
     if path is None:
         root = Path(sysconfig.get_paths()["stdlib"])
-        # site-packages often lives under the stdlib folder; its content differs per machine.
-        return sorted(
-            p for p in root.rglob("*.py")
-            if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)
-        )
+        # site-packages often lives under the stdlib folder; its content differs per machine, and
+        # it can hold far more files than the stdlib, so it is not even walked.
+        files = []
+        for folder, subfolders, names in os.walk(root):
+            subfolders[:] = [d for d in subfolders if d not in ("site-packages", "dist-packages")]
+            files += [Path(folder) / n for n in names if n.endswith(".py")]
+        return sorted(files)
     root = Path(path)
     if root.is_file():
         return [root]
