@@ -10,8 +10,8 @@ boundary. A backward action back-propagates the received gradient (or, on the la
 loss scaled once by ``loss_scale`` times the micro-batch's share of the batch). After a forward
 output is sent its storage is released, keeping only the autograd graph (Megatron-LM's
 ``deallocate_output_tensor``), and backward then runs through the autograd engine directly. The
-receives of the next exchange are posted as soon as their shapes are known (``p2p``), and a
-rank's last backward sends its input gradient before computing its weight gradients
+hidden-state receives of the next exchange are posted as soon as their shapes are known (``p2p``),
+and a rank's last backward sends its input gradient before computing its weight gradients
 (``_backward``), which shortens the flush at the end of the step.
 """
 
@@ -173,7 +173,9 @@ class PipelineEngine:
                     self._communicate(actions, *runs[n], outputs, out_meta, conventions, input_grads, inputs, grads,
                                       sending, keys.__getitem__)
                     if n + 1 < len(runs):
-                        self._receive_ahead(actions, *runs[n + 1], out_meta, keys.__getitem__)
+                        start, stop = runs[n + 1]
+                        ahead = [(a.microbatch, a.stage) for a in actions[start:stop] if a.op == "recv_f"]
+                        self.link.receive_ahead(ahead, keys.__getitem__)
                     i = runs[n][1]
                     continue
                 a = actions[i]
@@ -275,13 +277,6 @@ class PipelineEngine:
                 return (grad if grad is not None else torch.zeros_like(received)), full_backward
         full_backward()
         return None, None
-
-    def _receive_ahead(self, actions, start, stop, out_meta, key_of) -> None:
-        """Post the receives of the run ``[start, stop)`` whose buffers are known now (see ``p2p``)."""
-        recvs_f = [(a.microbatch, a.stage) for a in actions[start:stop] if a.op == "recv_f"]
-        recvs_b = [(a.microbatch, a.stage, *out_meta[(a.microbatch, a.stage)]) for a in actions[start:stop]
-                   if a.op == "recv_b" and (a.microbatch, a.stage) in out_meta]
-        self.link.receive_ahead(recvs_f, recvs_b, key_of)
 
     def _communicate(self, actions, start, stop, outputs, out_meta, conventions, input_grads, inputs, grads, sending,
                      key_of):
