@@ -68,8 +68,8 @@ class StageLink:
         # (receiving stage, micro-batch key) -> (shape, dtype index, convention), agreed once
         self.sent: dict[tuple[int, Hashable], tuple] = {}
         self.received: dict[tuple[int, Hashable], tuple] = {}
-        # (kind, micro-batch, stage) -> (works, buffer, convention) of receives posted ahead
-        self.posted: dict[tuple[int, int, int], tuple] = {}
+        # (micro-batch, stage) -> (works, buffer, convention) of hidden-state receives posted ahead
+        self.posted: dict[tuple[int, int], tuple] = {}
 
     def new_step(self) -> None:
         """Start a step: nothing may still be posted from the last one."""
@@ -96,10 +96,10 @@ class StageLink:
             return
         ops, entries = [], []
         for mb, stage in recvs_f:
-            known = None if (_ACT, mb, stage) in self.posted else self._known_input(mb, stage, key_of)
+            known = None if (mb, stage) in self.posted else self._known_input(mb, stage, key_of)
             if known is not None:
                 ops.append(self._recv_op(_ACT, known[0], mb, stage))
-                entries.append(((_ACT, mb, stage), *known))
+                entries.append(((mb, stage), *known))
         for (key, buf, convention), works in zip(entries, _post(ops)):
             self.posted[key] = (works, buf, convention)
 
@@ -148,7 +148,7 @@ class StageLink:
         waiting: list[dist.Work] = []  # receives this exchange must wait for
         inputs, headers, grads = {}, [], {}
         for mb, stage in recvs_f:
-            ahead = self.posted.pop((_ACT, mb, stage), None)
+            ahead = self.posted.pop((mb, stage), None)
             if ahead is not None:
                 waiting += ahead[0]
                 inputs[(mb, stage)] = ahead[1:]
