@@ -146,6 +146,60 @@ def test_partly_used_parameter_neither_hangs_nor_corrupts():
     torch.testing.assert_close(g0[2], b.weight.grad / 2)
 
 
+_HOST_READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+def _host_reads_worker(rank, world, shard):
+    from lightning_parallel.data_parallel.zero import ZeroOneSharding
+
+    mesh = make_mesh(rank, world)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3), nn.Linear(3, 2), nn.Linear(2, 2))
+    sync = GradientSynchronizer(list(model.parameters()), mesh.dp_group, bucket_size_mb=12 * 4 / 2**20, shard=shard)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    zero = ZeroOneSharding(sync, [optimizer]) if shard else None
+    reads = []
+    originals = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
+
+    def counted(name):
+        def read(self, *args, **kwargs):
+            reads.append(name)
+            return originals[name](self, *args, **kwargs)
+        return read
+
+    per_step, launched = [], []
+    for step in range(2):
+        optimizer.zero_grad()
+        x = torch.randn(4, 5)
+        try:  # count from the first backward to the gradients the optimizer sees
+            for name in _HOST_READS:
+                setattr(torch.Tensor, name, counted(name))
+            with sync.no_sync():
+                model[:3](x).sum().backward()  # the last layer is unused in this micro-batch
+            model(x).sum().backward()
+            launched.append(sync._next)
+            sync.finish()
+            if zero is not None:
+                zero.attach_grads()
+        finally:
+            for name, method in originals.items():
+                setattr(torch.Tensor, name, method)
+        per_step.append(list(reads))
+        reads.clear()
+        optimizer.step()
+    return len(sync.buckets), per_step, launched
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("shard", [False, True], ids=["dp", "zero1"])
+def test_gradient_sync_reads_the_device_once_per_step_and_overlaps_accumulated_backward(shard):
+    for n_buckets, per_step, launched in run_distributed(_host_reads_worker, 2, shard):
+        assert n_buckets >= 4  # one read per bucket would be caught
+        assert per_step == [["tolist"], ["tolist"]]
+        # every parameter got a gradient in the syncing backward: all buckets left during it
+        assert launched == [n_buckets, n_buckets]
+
+
 # ---- Lightning parity ------------------------------------------------------------------------
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
@@ -259,3 +313,68 @@ def test_string_registration_selects_our_strategy():
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="lp_dp", logger=False)
     assert isinstance(trainer.strategy, DataParallelStrategy)
     assert trainer.strategy.is_distributed
+
+
+# ---- Trainer(sync_batchnorm=True) ------------------------------------------------------------
+class _ResidualBlock(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels)
+        self.conv2, self.bn2 = nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels)
+
+    def forward(self, x):
+        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+
+
+class SmallResNet(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.blocks = nn.ModuleList([_ResidualBlock(8) for _ in range(4)])
+        self.head = nn.Linear(8, 2)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x.mean((2, 3))), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _NormGroups(L.Callback):
+    """After setup: each normalisation layer's type and the ranks it averages statistics over."""
+
+    def __init__(self, out_dir):
+        self.out_dir = out_dir
+
+    def on_fit_start(self, trainer, pl_module):
+        import torch.distributed as dist
+
+        norms = [(type(m).__name__, dist.get_process_group_ranks(m.process_group) if m.process_group else None)
+                 for m in pl_module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        torch.save(norms, f"{self.out_dir}/norms{trainer.global_rank}.pt")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("devices, pp", [(2, 1), (4, 2)], ids=["dp2", "pp2xdp2"])
+def test_sync_batchnorm_converts_over_the_data_parallel_group_only(tmp_path, devices, pp):
+    from lightning_parallel import ParallelStrategy
+    from lightning_parallel.mesh import ParallelMesh
+
+    data = TensorDataset(torch.randn(16, 3, 8, 8), torch.randint(0, 2, (16,)))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=ParallelStrategy(pipeline_parallel=pp, start_method="fork"),
+        sync_batchnorm=True, limit_train_batches=0, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[_NormGroups(str(tmp_path))],
+    )
+    trainer.fit(SmallResNet(), torch.utils.data.DataLoader(data, batch_size=4))
+    dp_groups = ParallelMesh(devices, pipeline_parallel=pp).dp_groups()
+    for rank in range(devices):
+        norms = torch.load(tmp_path / f"norms{rank}.pt")
+        assert norms, f"rank {rank} holds no normalisation layer"
+        group = next(g for g in dp_groups if rank in g)
+        assert len(group) == 2
+        assert norms == [("SyncBatchNorm", group)] * len(norms), (rank, norms)

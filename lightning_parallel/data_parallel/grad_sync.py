@@ -7,9 +7,17 @@ launched, the bucket's asynchronous collective starts while backward continues o
 (Li et al., "PyTorch Distributed", VLDB 2020). Launching strictly in bucket order keeps the sequence
 of collectives the same on every rank even when ranks see different sets of used parameters.
 
-Each bucket also carries one flag per parameter: 1 when this rank produced a gradient for it. After
-the sum over ranks the flag says whether *any* replica produced one; a parameter that no replica
-touched keeps ``grad=None``, exactly as on one device, so optimizers skip it.
+Gradient accumulation: inside ``no_sync()`` backward only accumulates into the bucket views. Only the
+backward that communicates marks parameters ready, so a bucket holding a parameter that this last
+micro-batch did not use is launched by ``finish()`` instead of during backward. A parameter
+contributes what it accumulated over the whole window, whichever micro-batches produced it; only a
+parameter with no gradient at all (``.grad is None``) contributes zeros.
+
+Each bucket also carries one flag per parameter: 1 when this rank holds a gradient for it. After
+the sum over ranks the flag says whether *any* replica produced one in the window; a parameter that
+no replica touched keeps ``grad=None``, exactly as on one device, so optimizers skip it. The flags of
+all buckets are read to the host once per step, together, in ``finish()``: the only device->host
+synchronisation of the synchroniser.
 
 With ``shard=True`` (ZeRO stage 1, Rajbhandari et al. 2020, arXiv 1910.02054) a bucket is
 reduce-scattered instead: each rank receives the averaged gradient of its own ``1/dp`` slice only,
@@ -40,7 +48,8 @@ class _Bucket:
         self.views = [self.buffer[o : o + p.numel()].view_as(p) for p, o in zip(params, offsets)]
         self.shard: Optional[torch.Tensor] = None  # this rank's reduced slice, when sharded
         self.pending = len(params)
-        self.ready = [False] * len(params)
+        self.ready = [False] * len(params)  # got its gradient in the backward that communicates
+        self.used = [False] * len(params)  # some replica had a gradient in the last window (finish)
         self.works: list[dist.Work] = []
 
     def reset(self) -> None:
@@ -110,7 +119,6 @@ class GradientSynchronizer:
     def _mark_ready(bucket: _Bucket, i: int) -> None:
         if not bucket.ready[i]:
             bucket.ready[i] = True
-            bucket.flags[i] = 1
             bucket.pending -= 1
 
     def _launch_ready(self) -> None:
@@ -118,10 +126,15 @@ class GradientSynchronizer:
             self._launch(self.buckets[self._next])
 
     def _launch(self, bucket: _Bucket) -> None:
+        # flags are written on the device (no host read); a parameter not ready may still hold what
+        # earlier micro-batches of the window accumulated: only one without any gradient sends zeros
+        bucket.flags.fill_(1)
         for i, done in enumerate(bucket.ready):
-            if not done:  # no gradient here this step: contribute zeros
-                bucket.views[i].zero_()
-                bucket.flags[i] = 0
+            if not done:
+                self._adopt(bucket, i)
+                if bucket.params[i].grad is None:
+                    bucket.views[i].zero_()
+                    bucket.flags[i] = 0
         if self.shard:
             reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
             bucket.works = [
@@ -143,7 +156,13 @@ class GradientSynchronizer:
             self.enabled = previous
 
     def finish(self) -> None:
-        """Launch what backward did not, wait for every bucket, and average the gradients."""
+        """Launch what backward did not, wait for every bucket, and average the gradients.
+
+        Reads the summed flags of all buckets with one device->host copy; afterwards
+        ``bucket.used[i]`` says whether any replica had a gradient for the bucket's i-th parameter.
+        """
+        if not self.buckets:
+            return
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
         for bucket in self.buckets:
@@ -153,18 +172,19 @@ class GradientSynchronizer:
                 bucket.shard.div_(self.world)
             else:
                 bucket.grads.div_(self.world)
-            for p, view, used in zip(bucket.params, bucket.views, bucket.flags.tolist()):
-                p.grad = view if used > 0 and not self.shard else None
+        flags = torch.cat([bucket.flags for bucket in self.buckets]).tolist()  # the step's one host read
+        start = 0
+        for bucket in self.buckets:
+            bucket.used = [f > 0 for f in flags[start : start + len(bucket.params)]]
+            start += len(bucket.params)
+            for p, view, used in zip(bucket.params, bucket.views, bucket.used):
+                p.grad = view if used and not self.shard else None
             bucket.reset()
         self._next = 0
 
     def sync_now(self) -> None:
-        """Average the gradients the parameters hold now, e.g. after backwards run under ``no_sync``."""
-        for bucket in self.buckets:
-            for i, p in enumerate(bucket.params):
-                if p.grad is not None:
-                    self._adopt(bucket, i)
-                    self._mark_ready(bucket, i)
+        """Average the gradients the parameters hold now, all produced under ``no_sync`` (the
+        pipeline's micro-batches): the same as ``finish()``, which launches every bucket itself."""
         self.finish()
 
     def remove(self) -> None:
