@@ -72,18 +72,21 @@ def tiny_gpt(**overrides) -> GPT:
 
 
 def train(out: Path, devices: int = 1, tp: int = 1, pp: int = 1, steps: int = STEPS, ckpt_path=None,
-          save_to: Path | None = None, **strategy_args) -> list[dict]:
-    """Fit the tiny GPT to ``steps``; with ``save_to``, a ModelCheckpoint keeps the latest step there."""
+          save_to: Path | None = None, checkpoint: ModelCheckpoint | None = None, **strategy_args) -> list[dict]:
+    """Fit the tiny GPT to ``steps``; with ``save_to``, a ModelCheckpoint keeps the latest step there
+    (``checkpoint`` replaces that callback)."""
     strategy = "auto" if devices == 1 else ParallelStrategy(
         tensor_parallel=tp, pipeline_parallel=pp, start_method="fork", timeout=60, **strategy_args
     )
     callbacks = [_Recorder(str(out))]
-    if save_to is not None:
-        callbacks.append(ModelCheckpoint(dirpath=save_to, every_n_train_steps=1, save_top_k=1))
+    if checkpoint is None and save_to is not None:
+        checkpoint = ModelCheckpoint(dirpath=save_to, every_n_train_steps=1, save_top_k=1)
+    if checkpoint is not None:
+        callbacks.append(checkpoint)
     os.makedirs(out, exist_ok=True)
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
-        enable_checkpointing=save_to is not None, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=checkpoint is not None, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, callbacks=callbacks, default_root_dir=str(out),
     )
     trainer.fit(tiny_gpt(), datamodule=StepData(), ckpt_path=ckpt_path)

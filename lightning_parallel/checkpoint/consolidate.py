@@ -24,13 +24,24 @@ from lightning_parallel.checkpoint.format import (
     index_optimizer_state,
     unsplit_group_names,
 )
-from lightning_parallel.checkpoint.io import is_sharded_checkpoint, read_checkpoint
+from lightning_parallel.checkpoint.atomic import IncompleteCheckpointError
+from lightning_parallel.checkpoint.io import META_FILE, checkpoint_to_read, is_sharded_checkpoint, read_checkpoint
 
 
 def consolidate(path: Path) -> dict[str, Any]:
-    """The plain Lightning checkpoint equivalent to the sharded checkpoint at ``path``."""
+    """The plain Lightning checkpoint equivalent to the sharded checkpoint at ``path``.
+
+    Raises ``IncompleteCheckpointError`` for a directory whose save did not finish, and
+    ``ValueError`` for anything else that is not a sharded checkpoint directory.
+    """
+    if path.is_file():
+        raise ValueError(f"{path} is a plain checkpoint file, already consolidated: load it as it is, e.g. "
+                         f"MyModule.load_from_checkpoint({str(path)!r}) or Trainer(...).fit(ckpt_path={str(path)!r})")
+    path = checkpoint_to_read(path)
     if not is_sharded_checkpoint(path):
-        raise ValueError(f"{path} is not a sharded checkpoint directory (it has no meta.pt)")
+        found = "does not exist" if not path.exists() else f"is a directory without {META_FILE}"
+        raise ValueError(f"{path} {found}: give a sharded checkpoint directory, as ModelCheckpoint or "
+                         "Trainer.save_checkpoint write them with a split model")
     meta, pieces = read_checkpoint(path)
     names = list(dict.fromkeys(n for p in pieces for n in p.tensors))
     checkpoint = {k: v for k, v in meta.items() if k != "lightning_parallel"}
@@ -55,7 +66,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("checkpoint", type=Path, help="sharded checkpoint directory written by ParallelStrategy")
     parser.add_argument("output", type=Path, help="plain .ckpt file to write")
     args = parser.parse_args(argv)
-    torch.save(consolidate(args.checkpoint), args.output)
+    try:
+        checkpoint = consolidate(args.checkpoint)
+    except (IncompleteCheckpointError, ValueError) as err:
+        parser.exit(2, f"lp-consolidate: {err}\n")
+    torch.save(checkpoint, args.output)
     print(f"wrote {args.output}")
 
 

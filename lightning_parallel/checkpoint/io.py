@@ -7,11 +7,14 @@ rank t under global names (written by data-parallel rank 0 only; the replicas ar
 Loading reads every piece and reshards it onto the current layout (``format.py``), so a run may
 resume on a different number of processes or a different split. A plain ``.ckpt`` file (one
 device, or ``lp-consolidate``'s output) loads through the same path as a single piece.
+
+Saving replaces a directory only once every rank has written its pieces, and loading reads only a
+complete directory (``atomic.py``), so a crash or a full disk during a save never costs the
+previous checkpoint.
 """
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_parallel.checkpoint.atomic import MARKER, folder_to_read, save_pieces, write_file
 from lightning_parallel.checkpoint.format import (
     FORMAT_VERSION,
     CheckpointMismatchError,
@@ -36,12 +40,18 @@ from lightning_parallel.checkpoint.format import (
     saved_shapes,
     unexpected,
 )
+from lightning_parallel.data_parallel.zero import configured_param_groups
 
 META_FILE = "meta.pt"
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
     return path.is_dir() and (path / META_FILE).is_file()
+
+
+def holds_checkpoint_files(path: Path) -> bool:
+    """Whether directory ``path`` holds any file of a sharded checkpoint, complete or not."""
+    return any((path / name).is_file() for name in (META_FILE, MARKER)) or any(path.glob("pp*-tp*.pt"))
 
 
 def piece_file(pp_rank: int, tp_rank: int) -> str:
@@ -96,29 +106,30 @@ def _layouts(module: nn.Module, tensors: dict[str, torch.Tensor], tp_size: int) 
 
 
 def _group_names(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[list[str]]:
-    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    # as configured: under ZeRO-1 the optimizer steps on slices, its state is saved by parameter
+    return [[names[id(p)] for p in group] for group in configured_param_groups(optimizer)]
 
 
 # ---- save ------------------------------------------------------------------------------------
 def save_sharded(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> None:
-    """Write ``checkpoint`` (Lightning's dict, from this rank) as a sharded checkpoint directory."""
+    """Write ``checkpoint`` (Lightning's dict, from this rank) as a sharded checkpoint directory.
+
+    It replaces an existing checkpoint only once every piece is written (``atomic.save_pieces``); if
+    any rank fails, every rank raises ``CheckpointSaveError`` and the previous checkpoint stays.
+    """
     path = Path(strategy.broadcast(str(filepath)))
     mesh, module = strategy.mesh, strategy.lightning_module
-    foreign = path.is_dir() and not is_sharded_checkpoint(path) and any(path.iterdir())
+    foreign = path.is_dir() and not holds_checkpoint_files(path) and any(path.iterdir())
     if strategy.broadcast(foreign):  # rank 0's view, so that every rank raises
         raise IsADirectoryError(f"the checkpoint path {path} is a directory that is not a checkpoint; choose another")
-    if strategy.global_rank == 0:
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.is_file():
-            path.unlink()
-        path.mkdir(parents=True)
-    strategy.barrier()
     names = parameter_names(module, strategy.pipeline, mesh)
     rest = dict(checkpoint)
     tensors = rest.pop("state_dict")
     optimizer_states = rest.pop("optimizer_states", None)
-    if mesh.dp_rank == 0:
+
+    def write(folder: Path) -> list[str]:
+        if mesh.dp_rank != 0:
+            return []
         piece: dict[str, Any] = {
             "tp_rank": mesh.tp_rank,
             "tp_size": mesh.tp_size,
@@ -131,22 +142,55 @@ def save_sharded(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> No
                 name_optimizer_state(state, _group_names(opt, names))
                 for state, opt in zip(optimizer_states, strategy.optimizers, strict=True)
             ]
-        torch.save(piece, path / piece_file(mesh.pp_rank, mesh.tp_rank))
-    if strategy.global_rank == 0:
+        write_file(piece, folder / piece_file(mesh.pp_rank, mesh.tp_rank))
+        return [piece_file(mesh.pp_rank, mesh.tp_rank)]
+
+    def finish(folder: Path, pieces: list[str]) -> list[str]:
         rest["lightning_parallel"] = {
             "format_version": FORMAT_VERSION,
             "layout": {"tensor_parallel": mesh.tp_size, "pipeline_parallel": mesh.pp_size,
                        "data_parallel": mesh.dp_size},
+            "pieces": [META_FILE, *pieces],
         }
-        torch.save(rest, path / META_FILE)
+        write_file(rest, folder / META_FILE)
+        return [META_FILE]
+
+    save_pieces(path, write, finish, strategy.global_rank == 0)
 
 
 # ---- read ------------------------------------------------------------------------------------
+def checkpoint_to_read(path: Path, weights_only: Optional[bool] = None) -> Path:
+    """``path``, or the checkpoint it was replacing when a save crashed between its two renames.
+
+    Raises ``IncompleteCheckpointError`` for a directory whose save did not finish, naming its
+    missing pieces. A directory written before completion markers existed is read when every piece
+    of its layout is present.
+    """
+
+    def unconfirmed(folder: Path) -> tuple[dict[str, Optional[int]], bool]:
+        try:
+            info = torch.load(folder / META_FILE, map_location="cpu", weights_only=weights_only)["lightning_parallel"]
+        except FileNotFoundError:
+            return {META_FILE: None}, False
+        except RuntimeError:  # a torn zip archive: its writer was stopped
+            return {}, False
+        if "pieces" in info:
+            return dict.fromkeys(info["pieces"]), False
+        pp, tp = info["layout"]["pipeline_parallel"], info["layout"]["tensor_parallel"]
+        pieces = [piece_file(p, t) for p in range(pp) for t in range(tp)]
+        return dict.fromkeys([META_FILE, *pieces]), True
+
+    if path.is_dir() and not holds_checkpoint_files(path):
+        return path
+    return folder_to_read(path, unconfirmed)
+
+
 def read_checkpoint(path: Path, weights_only: Optional[bool] = None) -> tuple[dict[str, Any], list[Piece]]:
     """The Lightning metadata and the pieces of a sharded directory or a plain checkpoint file.
 
     Shard files are memory-mapped, so a rank only reads the bytes of the tensors it needs.
     """
+    path = checkpoint_to_read(path, weights_only)
     if is_sharded_checkpoint(path):
         meta = torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)
         pieces = []
@@ -201,7 +245,7 @@ def load_sharded(strategy: Any, filepath: Any, weights_only: Optional[bool] = No
     Every name and shape is checked on every rank first; if any rank finds a problem, all ranks
     raise ``CheckpointMismatchError`` listing each parameter, and nothing is loaded.
     """
-    path = Path(strategy.broadcast(str(filepath)))
+    path = checkpoint_to_read(Path(strategy.broadcast(str(filepath))), weights_only)
     mesh, module = strategy.mesh, strategy.lightning_module
     meta, pieces = read_checkpoint(path, weights_only)
     names = parameter_names(module, strategy.pipeline, mesh)
