@@ -171,13 +171,15 @@ def test_parallel_multihead_attention_matches_nn_multihead_attention(batch_first
 def _dropout_worker(rank, world):
     mesh = make_mesh(rank, world, tp=world)
     torch.manual_seed(1234)  # the strategy seeds every rank alike
-    rng = TPRandom(torch.initial_seed(), mesh.tp_rank)
+    rng = TPRandom(mesh.tp_rank)
     x = torch.ones(4096)
     with rng.fork():
         sharded = F.dropout(x, 0.5)
-    replicated = F.dropout(x, 0.5)  # default stream: unaffected by the fork above
-    torch.manual_seed(1234)
-    assert torch.equal(F.dropout(x, 0.5), replicated), "fork() moved the default stream"
+    replicated = F.dropout(x, 0.5)  # default stream, advanced by the fork alike on every rank
+    torch.manual_seed(1234)  # what activation checkpointing does before it recomputes
+    with rng.fork():
+        assert torch.equal(F.dropout(x, 0.5), sharded), "a recomputation drew another per-rank mask"
+    assert torch.equal(F.dropout(x, 0.5), replicated), "the fork left the default stream elsewhere"
     masks = []
     for mask in (sharded, replicated):
         gathered = [torch.empty_like(x) for _ in range(world)]

@@ -3,7 +3,10 @@
 The full weights are already identical on every TP rank (the strategy broadcasts them from rank
 0), so each shard is a slice of the existing parameter: TP initialisation equals the
 single-device one. Parameters shared by two modules (a tied embedding and output head, both split
-by vocabulary rows) are sliced once and stay shared.
+by vocabulary rows) are sliced once and stay shared. Modules left whole that see split
+activations get their gradients summed over TP (``replicated.py``); Mixture-of-Experts modules
+are split by ``moe.py``. A ``local_params``/``all_reduce`` module keeps its forward: its own listed
+parameters are replaced by their slices.
 """
 
 from __future__ import annotations
@@ -11,14 +14,18 @@ from __future__ import annotations
 from types import MethodType
 from typing import Optional
 
+import torch
 from torch import nn
 
 from .attention import FusedAttentionParts, ParallelMultiheadAttention, tp_causal_attention_forward
+from .attributes import divide_attribute
 from .comm import SEQ_DIM, scatter_to_region
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from .plan import find_fused_attention
-from .random import ShardedDropout, TPRandom
-from .resolve import Assignment, is_conv1d, linear_features
+from .moe import parallelize_experts, parallelize_identity_expert
+from .shapes import find_fused_attention
+from .random import ShardedDropout, TPRandom, split_region_random
+from .replicated import reduce_partial_output, split_rope_grad_sum, sum_grads_over_tp
+from .resolve import Assignment, embed_scale, is_conv1d, linear_features, mla_rope_dim
 from .shard import TPShard, slice_shard
 
 
@@ -53,15 +60,22 @@ def _colwise(m: nn.Module, shard: _Sharder, fused: int, gather_output: bool, sp:
     return ColumnParallelLinear(weight, bias, shard.mesh.tp_group, out_features, gather_output, sp, t)
 
 
-def _rowwise(m: nn.Module, shard: _Sharder, sp: bool) -> RowParallelLinear:
+def _rowwise(m: nn.Module, shard: _Sharder, sp: bool, fused: int = 1, split_input: bool = False) -> RowParallelLinear:
     t = is_conv1d(m)
-    weight = shard(m.weight, TPShard(dim=0 if t else 1))
-    return RowParallelLinear(weight, m.bias, shard.mesh.tp_group, linear_features(m)[0], sp, t)
+    weight = shard(m.weight, TPShard(dim=0 if t else 1, fused=fused))
+    return RowParallelLinear(weight, m.bias, shard.mesh.tp_group, linear_features(m)[0], sp, t, split_input, fused)
 
 
 def _vocab(m: nn.Embedding, shard: _Sharder, sp: bool) -> VocabParallelEmbedding:
+    scale = None if type(m).forward is nn.Embedding.forward else embed_scale(m)
     return VocabParallelEmbedding(
-        shard(m.weight, TPShard(dim=0)), shard.mesh.tp_group, shard.mesh.tp_rank, m.num_embeddings, m.padding_idx, sp
+        shard(m.weight, TPShard(dim=0)),
+        shard.mesh.tp_group,
+        shard.mesh.tp_rank,
+        m.num_embeddings,
+        m.padding_idx,
+        sp,
+        None if scale is None else torch.as_tensor(scale, dtype=m.weight.dtype, device=m.weight.device),
     )
 
 
@@ -107,14 +121,34 @@ def apply_plan(
     shard = _Sharder(mesh)
     sp = sequence_parallel
     entry_modules: list[nn.Module] = []
+    grads_summed: list[nn.Module] = []  # replicated modules whose gradients autograd already sums over TP
     for a in assignments:
         m, style = a.module, a.entry.style
         for attr in a.entry.divide:
-            setattr(m, attr, getattr(m, attr) // mesh.tp_size)
+            divide_attribute(m, attr, mesh.tp_size)
         if style == "colwise":
             new = _colwise(m, shard, a.entry.fused, a.entry.gather_output, sp)
         elif style == "rowwise":
-            new = _rowwise(m, shard, sp)
+            new = _rowwise(m, shard, sp, a.entry.fused, a.entry.split_input)
+        elif style == "replicated_grad_sum":
+            new = m
+            sum_grads_over_tp(m, mesh.tp_group)
+            grads_summed.append(m)
+        elif style == "mla_kv_a_proj":
+            new = m
+            split_rope_grad_sum(m, mla_rope_dim(root, a.name), mesh.tp_group)
+            grads_summed.append(m)
+        elif style in ("local_params", "all_reduce"):
+            new = m
+            for param_name, dim in a.entry.params:
+                if m._parameters.get(param_name) is not None:
+                    m._parameters[param_name] = shard(m._parameters[param_name], TPShard(dim=dim))
+            if style == "all_reduce":
+                reduce_partial_output(m, mesh.tp_group)
+        elif style == "moe_experts":
+            new = parallelize_experts(m, shard, mesh.tp_group)
+        elif style == "moe_identity_expert":
+            new = parallelize_identity_expert(m, mesh.tp_size)
         elif style == "vocab":
             new = _vocab(m, shard, sp)
         elif style == "attention" and isinstance(m, nn.MultiheadAttention):
@@ -130,16 +164,30 @@ def apply_plan(
         if new is not m:
             _replace(root, a.name, new)
         a.module = new
+    _random_in_split_regions(root, assignments, rng)
     if sp:
-        _mark_sequence_parallel(root, entry_modules, rng)
+        _mark_sequence_parallel(root, entry_modules + grads_summed, rng)
     return assignments
+
+
+def _random_in_split_regions(root: nn.Module, assignments: list[Assignment], rng: TPRandom) -> None:
+    """Per-rank random stream between sibling colwise and rowwise layers whose activations stay split."""
+    regions: dict[str, tuple[list, list]] = {}
+    for a in assignments:
+        if a.entry.style in ("colwise", "rowwise") and not a.entry.gather_output and not a.entry.split_input:
+            colwise, rowwise = regions.setdefault(a.name.rpartition(".")[0], ([], []))
+            (colwise if a.entry.style == "colwise" else rowwise).append(a.module)
+    for parent, (colwise, rowwise) in regions.items():
+        if colwise and rowwise:
+            split_region_random(root.get_submodule(parent) if parent else root, colwise, rowwise, rng)
 
 
 def _mark_sequence_parallel(root: nn.Module, entry_modules: list[nn.Module], rng: TPRandom) -> None:
     """Under sequence parallelism every replicated parameter sees only this rank's tokens, so its
     gradient is partial (summed over TP by ``sync_sequence_parallel_grads``); the modules whose
     replicated output enters the region get full gradients through the scatter's all-gather.
-    Dropout there acts on sequence shards, so it draws from the per-rank stream."""
+    Dropout there acts on sequence shards, so it draws from the per-rank stream. ``entry_modules``
+    are those whose gradients need no sum (or are summed already)."""
     skip = {id(p) for m in entry_modules for p in m.parameters()}
     for p in root.parameters():
         if not hasattr(p, "tp_shard") and id(p) not in skip:

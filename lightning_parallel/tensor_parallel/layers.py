@@ -23,6 +23,7 @@ from .comm import (
     gather_from_sequence_region,
     reduce_from_region,
     reduce_scatter_to_sequence_region,
+    scatter_to_region,
 )
 
 
@@ -82,7 +83,9 @@ class RowParallelLinear(nn.Module):
     The input is already split along its last dimension (the output of a column layer); the
     partial products are summed across ranks (or reduce-scattered along the sequence) and the
     bias, which is replicated, is added once after that reduction. ``transposed`` as in
-    ``ColumnParallelLinear``.
+    ``ColumnParallelLinear``. ``split_input``: the input is replicated (it comes from code between
+    a gathered column layer and this one, e.g. Phi-3's slicing of a fused QKV); each rank keeps
+    its slice of the features (``fused`` blocks, each sliced alike), and the backward all-gathers.
     """
 
     def __init__(
@@ -93,6 +96,8 @@ class RowParallelLinear(nn.Module):
         in_features: int,
         sequence_parallel: bool = False,
         transposed: bool = False,
+        split_input: bool = False,
+        fused: int = 1,
     ) -> None:
         super().__init__()
         self.weight = weight  # (out, in / tp), or (in / tp, out) when transposed
@@ -102,8 +107,12 @@ class RowParallelLinear(nn.Module):
         self.in_features = in_features
         self.out_features = weight.shape[1 if transposed else 0]
         self.sequence_parallel = sequence_parallel
+        self.split_input = split_input
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split_input:  # (b, s, in) -> (b, s, in/tp): this rank's slice of each fused block
+            x = torch.cat([scatter_to_region(b, self.group) for b in x.chunk(self.fused, dim=-1)], dim=-1)
         y = F.linear(
             x, self.weight.t() if self.transposed else self.weight
         )  # (b, s, in/tp) @ (in/tp, out) = (b, s, out), partial sum
@@ -116,7 +125,8 @@ class RowParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"local_in={self.weight.shape[0 if self.transposed else 1]}, sequence_parallel={self.sequence_parallel}"
+            f"local_in={self.weight.shape[0 if self.transposed else 1]}, sequence_parallel={self.sequence_parallel}, "
+            f"split_input={self.split_input}"
         )
 
 
@@ -126,7 +136,9 @@ class VocabParallelEmbedding(nn.Module):
     Each rank looks up the ids in its row range ``[start, start + rows)``, zeroes the rows of ids
     it does not own, and the partial results are summed across ranks (Megatron's
     ``VocabParallelEmbedding``); with sequence parallelism the sum is a reduce-scatter along the
-    sequence, which is where the sequence-parallel region begins.
+    sequence, which is where the sequence-parallel region begins. ``embed_scale``: a factor the
+    embedding's own forward multiplied its output by (Gemma's scaled word embedding), kept as the
+    same non-persistent buffer.
     """
 
     def __init__(
@@ -137,9 +149,11 @@ class VocabParallelEmbedding(nn.Module):
         num_embeddings: int,
         padding_idx: Optional[int] = None,
         sequence_parallel: bool = False,
+        embed_scale: Optional[torch.Tensor] = None,
     ) -> None:
         super().__init__()
         self.weight = weight  # (padded vocab / tp, dim)
+        self.register_buffer("embed_scale", embed_scale, persistent=False)
         self.group = group
         self.num_embeddings = num_embeddings
         self.embedding_dim = weight.shape[1]
@@ -156,6 +170,8 @@ class VocabParallelEmbedding(nn.Module):
             local_pad = self.padding_idx - self.vocab_start
         out = F.embedding(local_ids, self.weight, padding_idx=local_pad)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.embed_scale is not None:
+            out = out * self.embed_scale.to(out.dtype)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_region(out, self.group)
         return reduce_from_region(out, self.group)

@@ -1,11 +1,46 @@
-"""The plan in force, as a table: module glob, style, local parameter shapes."""
+"""The plan in force, as a table (module glob, style, local parameter shapes), and a plan as
+YAML text a user can check and give as ``strategy.tp_plan``."""
 
 from __future__ import annotations
+
+import dataclasses
+import json
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
-from .resolve import Assignment
+from .plan import Plan, PlanEntry
+
+if TYPE_CHECKING:
+    from .resolve import Assignment
+
+
+def _yaml_value(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple) and value and isinstance(value[0], tuple):  # params: (name, dim) pairs
+        return "{" + ", ".join(f"{n}: {d}" for n, d in value) + "}"
+    if isinstance(value, tuple):
+        return "[" + ", ".join(value) + "]"
+    return str(value)
+
+
+def _yaml_entry(entry: PlanEntry) -> str:
+    """Every field that differs from its default; a bare style name when that is all there is."""
+    default = PlanEntry()
+    parts = [
+        f"{f.name}: {_yaml_value(getattr(entry, f.name))}"
+        for f in dataclasses.fields(entry)
+        if getattr(entry, f.name) != getattr(default, f.name)
+    ]
+    return parts[0].removeprefix("style: ") if len(parts) == 1 and entry.style else "{" + ", ".join(parts) + "}"
+
+
+def plan_as_yaml(plan: Plan) -> str:
+    """``plan`` as the YAML block of a Hydra config's ``strategy.tp_plan`` (globs quoted: ``*``
+    opens an alias in YAML)."""
+    return "tp_plan:\n" + "".join(f"  {json.dumps(glob)}: {_yaml_entry(e)}\n" for glob, e in plan.items())
 
 
 def plan_table(assignments: list[Assignment], tp_size: int, sequence_parallel: bool) -> Table:
