@@ -134,7 +134,7 @@ def refusing_gpt():
 def _refusing(rank, world):
     warnings.filterwarnings("ignore")
     engines, partition = [], PipelineEngine.partition
-    PipelineEngine.partition = lambda self: (engines.append(self), partition(self))[1]
+    PipelineEngine.partition = lambda self, *args: (engines.append(self), partition(self, *args))[1]
     result = train_pipeline(make_mesh(rank, world, pp=world), refusing_gpt, batches(), 4, "1f1b")
     return result, engines[0].input_grad_first
 

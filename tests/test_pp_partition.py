@@ -1,5 +1,7 @@
 """Partition of an unchanged model into pipeline stages (pure logic, one process)."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -7,6 +9,7 @@ from torch import nn
 from lightning_parallel.models.gpt import GPT
 from lightning_parallel.pipeline.errors import PipelineConfigError, PipelineIncompatibleModel
 from lightning_parallel.pipeline.microbatch import split_batch
+from lightning_parallel.pipeline.order import trace_run_order
 from lightning_parallel.pipeline.partition import balance, find_blocks, plan_stages, shared_parameters
 from lightning_parallel.pipeline.stage_modules import StageExit, StageRuntime, apply_stage_plan
 
@@ -76,16 +79,21 @@ class NoBlocks(nn.Module):
         self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
 
 
-def run_stage(model, stage, ranks=2, received=None):
+def run_stage(model, stage, ranks=2, received=None, x=None):
     """Run ``model`` as pipeline stage ``stage`` of ``ranks`` in this process."""
     plan = plan_stages(model, ranks)
     runtime = StageRuntime()
     apply_stage_plan(model, plan, stage, runtime)
     runtime.begin(plan.stage_blocks[stage], stage < ranks - 1, received, 0)
     try:
-        return model(torch.randn(3, 4))
+        return model(torch.randn(3, 4) if x is None else x)
     finally:
         runtime.end()
+
+
+def trace(model, x=None):
+    x = torch.randn(3, 4) if x is None else x
+    return trace_run_order(model, find_blocks(model)[0], lambda: model(x))
 
 
 def test_finds_the_largest_list_of_repeated_blocks():
@@ -167,9 +175,19 @@ def test_last_stage_computes_the_model_output_from_the_received_hidden_state():
     assert run_stage(Plain(), 1, received=torch.randn(3, 8)).shape == (3, 2)
 
 
-def test_operation_between_blocks_is_refused():
-    with pytest.raises(PipelineIncompatibleModel, match="an operation runs between blocks"):
-        run_stage(Scaled(), 1, received=torch.randn(3, 8))
+def test_operation_between_blocks_is_carried_across_the_boundary():
+    """A stage ends at the next block's input, so the caller's op between the stages' blocks is included."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4)
+    full = Scaled()
+    expected = full(x)
+    with pytest.raises(StageExit) as exit_:
+        run_stage(copy.deepcopy(full), 0, x=x)
+    h = full.emb(x)
+    for blk in full.blocks[:2]:
+        h = blk(h) * 0.9
+    assert torch.equal(exit_.value.hidden, h)  # the input of block 2, after the caller's scale
+    assert torch.equal(run_stage(copy.deepcopy(full), 1, received=exit_.value.hidden, x=x), expected)
 
 
 def test_state_other_than_the_hidden_state_between_blocks_is_refused():
@@ -177,7 +195,7 @@ def test_state_other_than_the_hidden_state_between_blocks_is_refused():
         run_stage(CrossState(), 0)
 
 
-def test_module_used_out_of_registration_order_is_refused():
+def test_module_used_out_of_registration_order_is_refused_without_a_trace():
     with pytest.raises(PipelineIncompatibleModel, match="registered after the block list but runs before"):
         run_stage(HeadFirst(), 1, received=torch.randn(3, 8))
 
@@ -201,6 +219,210 @@ def test_uneven_micro_batches_are_weighted_by_their_share_of_the_batch():
     assert sum(w * m.mean() for w, m in zip(weights, micro)) == pytest.approx(losses.mean().item(), rel=1e-6)
 
 
-def test_batch_smaller_than_micro_batch_count_is_a_clear_error():
-    with pytest.raises(PipelineConfigError, match="cannot be split into micro_batches=4"):
-        split_batch(torch.zeros(3, 2), 4)
+def test_batch_smaller_than_micro_batch_count_runs_one_micro_batch_per_sample():
+    micro, weights = split_batch(torch.arange(3), 4)
+    assert [m.tolist() for m in micro] == [[0], [1], [2]]
+    assert weights == pytest.approx([1 / 3] * 3)
+
+
+def test_17_samples_in_4_micro_batches_keep_the_exact_batch_mean():
+    losses = torch.rand(17, dtype=torch.float64)
+    micro, weights = split_batch(losses, 4)
+    assert [len(m) for m in micro] == [5, 4, 4, 4]
+    assert sum(w * m.mean() for w, m in zip(weights, micro)).item() == pytest.approx(losses.mean().item(), rel=1e-12)
+
+
+# ---- the order trace: where modules run, and what may cross a stage boundary -------------------------
+
+
+class HeadRegisteredFirst(nn.Module):
+    """Registers the head before the blocks (as LitGPT's GPT does) but runs it after them."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(8, 2)
+        self.emb = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        x = self.emb(x)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.norm(x))
+
+
+class Residual(Plain):
+    """The caller adds the residual: ``h = h + block(h)``."""
+
+    def forward(self, x):
+        x = self.emb(x)
+        for blk in self.blocks:
+            x = x + blk(x)
+        return self.head(x)
+
+
+class LongSkip(Plain):
+    """U-Net style: the output of block 0 is added again after block 2."""
+
+    def forward(self, x):
+        x = self.emb(x)
+        skip = None
+        for i, blk in enumerate(self.blocks):
+            x = blk(x)
+            if i == 0:
+                skip = x
+            if i == 2:
+                x = x + skip
+        return self.head(x)
+
+
+class EmbeddingToEveryBlock(Plain):
+    """Passes the embedding output to every block (an ``x0`` residual)."""
+
+    def forward(self, x):
+        x0 = x = self.emb(x)
+        for blk in self.blocks:
+            x = blk(x) + 0 * blk.lin(x0)
+        return self.head(x)
+
+
+class MixesHiddenStates(Plain):
+    """Uses every block's output after the loop (``output_hidden_states`` fed to the head)."""
+
+    def forward(self, x):
+        x = self.emb(x)
+        states = []
+        for blk in self.blocks:
+            x = blk(x)
+            states.append(x)
+        return self.head(sum(states))
+
+
+class ReadsBlockAttribute(Plain):
+    """Reads a configuration attribute of each block, as Hugging Face's ``decoder_layer.attention_type``."""
+
+    def __init__(self):
+        super().__init__()
+        for i, blk in enumerate(self.blocks):
+            blk.attention_type = "sliding" if i % 2 else "full"
+            blk.lin.layer_idx = i
+
+    def forward(self, x):
+        x = self.emb(x)
+        for blk in self.blocks:
+            scale = {"full": 1.0, "sliding": 0.5}[blk.attention_type] + 0 * blk.lin.layer_idx
+            x = blk(x * scale)
+        return self.head(x)
+
+
+def test_modules_go_to_the_stage_where_they_run_not_where_they_are_registered():
+    order = trace(HeadRegisteredFirst())
+    assert order.pre == ("emb",) and order.post == ("head", "norm")
+    plan = plan_stages(HeadRegisteredFirst(), 2, order=order)
+    assert plan.module_stages()["head"] == 1 and plan.module_stages()["emb"] == 0
+
+
+def test_stages_cut_by_run_order_reproduce_the_full_forward():
+    torch.manual_seed(0)
+    x, full = torch.randn(3, 4), HeadRegisteredFirst()
+    order = trace(full, x)
+    outputs = []
+    received = None
+    for stage in range(2):
+        model, runtime = copy.deepcopy(full), StageRuntime()
+        plan = plan_stages(model, 2, order=order)
+        apply_stage_plan(model, plan, stage, runtime)
+        runtime.begin(plan.stage_blocks[stage], stage == 0, received, 0)
+        try:
+            outputs.append(model(x))
+        except StageExit as exit_:
+            received = exit_.hidden
+        finally:
+            runtime.end()
+    assert torch.equal(outputs[0], full(x))
+
+
+def test_caller_side_residual_and_scaling_pass_the_trace():
+    assert trace(Residual()).post == ("head",)
+    assert trace(Scaled()).post == ("head",)
+
+
+@pytest.mark.parametrize("model,message", [
+    (LongSkip, "the hidden-state input of block 3 depends on the output of block 0"),
+    (EmbeddingToEveryBlock, "depends on the output of a module that runs before the blocks"),
+    (CrossState, "block 1 receives an output of block 0 other than the hidden state"),
+    (MixesHiddenStates, "the step's result depends on the output of block"),
+    (HeadFirst, "head holds parameters and runs both before and after the blocks"),
+], ids=["unet-skip", "x0-residual", "cross-block-state", "hidden-states-after-loop", "module-on-both-sides"])
+def test_what_cannot_cross_a_stage_boundary_is_refused_by_the_trace(model, message):
+    with pytest.raises(PipelineIncompatibleModel, match=message):
+        trace(model())
+
+
+class NormedDropout(Plain):
+    """Draws random numbers and updates batch-norm statistics in its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        x = torch.nn.functional.dropout(self.emb(x), 0.5)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.norm(x))
+
+
+def test_trace_leaves_no_hooks_random_state_or_buffer_changes():
+    model = NormedDropout()
+    x = torch.randn(3, 4)
+    before_rng, before_stats = torch.get_rng_state(), model.norm.running_mean.clone()
+    trace_run_order(model, "blocks", lambda: model(x))
+    assert torch.equal(torch.get_rng_state(), before_rng)
+    assert torch.equal(model.norm.running_mean, before_stats)
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+    model(x)
+    assert not torch.equal(model.norm.running_mean, before_stats)  # the check can fail
+
+
+def test_skip_blocks_keep_the_attributes_the_caller_reads():
+    torch.manual_seed(0)
+    x, full = torch.randn(3, 4), ReadsBlockAttribute()
+    with pytest.raises(StageExit) as exit_:
+        run_stage(copy.deepcopy(full), 0, x=x)
+    assert torch.allclose(run_stage(copy.deepcopy(full), 1, received=exit_.value.hidden, x=x), full(x), atol=1e-6)
+
+
+class TripleBlock(Block):
+    def forward(self, x):
+        return torch.tanh(self.lin(x)), None, None
+
+
+class UnpacksThree(Plain):
+    """The caller unpacks three values from every block (RWKV's ``hidden, state, attentions``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(TripleBlock() for _ in range(4))
+
+    def forward(self, x):
+        x = self.emb(x)
+        for blk in self.blocks:
+            x, _state, _attentions = blk(x)
+        return self.head(x)
+
+
+def test_skip_blocks_return_a_tuple_as_long_as_the_real_blocks():
+    torch.manual_seed(0)
+    x, full = torch.randn(3, 4), UnpacksThree()
+    with pytest.raises(StageExit) as exit_:
+        run_stage(copy.deepcopy(full), 0, x=x)
+    model, runtime = copy.deepcopy(full), StageRuntime()
+    plan = plan_stages(model, 2)
+    apply_stage_plan(model, plan, 1, runtime)
+    runtime.begin(plan.stage_blocks[1], False, exit_.value.hidden, 3)  # the convention stage 0 sends: a 3-tuple
+    try:
+        assert torch.equal(model(x), full(x))
+    finally:
+        runtime.end()

@@ -59,7 +59,7 @@ def train_pipeline(mesh, make_model, data, micro_batches, schedule, virtual=1, d
     """What the strategy does per step: zero, pipeline step, DP average, tied-grad sum, optimizer step."""
     model = make_model()
     engine = PipelineEngine(model, mesh, micro_batches, schedule, virtual)
-    engine.partition()
+    engine.partition(tuple(t.chunk(dp_size)[dp_rank] for t in data[0]))  # the strategy passes the first batch
     opt = model.configure_optimizers()
     losses = []
     for i, batch in enumerate(data):

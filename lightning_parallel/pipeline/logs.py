@@ -16,9 +16,18 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from lightning_parallel.compat import attached_trainer
 from lightning_parallel.pipeline.errors import PipelineConfigError
 
 Record = tuple[str, Any, dict]
+
+
+def _check(name: str, value: Any) -> None:
+    if not isinstance(value, (torch.Tensor, int, float)):
+        raise PipelineConfigError(
+            f"self.log({name!r}, {type(value).__name__}) inside a pipelined step: only tensors and numbers can be "
+            "sent to the other stages; log metric.compute() or a tensor instead"
+        )
 
 
 class LogCapture:
@@ -30,13 +39,11 @@ class LogCapture:
         self._calls: dict[str, tuple[dict, list[tuple[float, Any]]]] = {}
 
     def _record(self, name: str, value: Any, **kwargs) -> None:
+        _check(name, value)
         if isinstance(value, torch.Tensor):
-            value = value.detach().float().cpu()
-        elif not isinstance(value, (int, float)):
-            raise PipelineConfigError(
-                f"self.log({name!r}, {type(value).__name__}) inside a pipelined step: only tensors and numbers can be "
-                "sent to the other stages; log metric.compute() or a tensor instead"
-            )
+            # stays on the device: ``records`` moves all of a step's values to the host in one copy
+            value = value.detach()
+            value = value.to(torch.promote_types(value.dtype, torch.float32))  # float64 stays float64
         self._calls.setdefault(name, (kwargs, []))[1].append((self.weight, value))
 
     @contextmanager
@@ -48,13 +55,42 @@ class LogCapture:
         finally:
             del self.module.log
 
+    @contextmanager
+    def suppressed(self) -> Iterator[None]:
+        """``self.log`` checks its value and records nothing: for the setup trace, whose step is no real one."""
+        self.module.log = lambda name, value, **kwargs: _check(name, value)
+        try:
+            yield
+        finally:
+            del self.module.log
+
     def records(self) -> list[Record]:
-        """One record per key: the weighted mean of its values over the micro-batches that logged it."""
+        """One record per key: the weighted mean of its values over the micro-batches that logged it.
+
+        Tensor values are averaged where they are and reach the host together, one copy per dtype
+        (a host copy from a GPU waits for the queued kernels; one per logged value would wait each time).
+        """
         out = []
         for name, (kwargs, values) in self._calls.items():
             total = sum(w for w, _ in values)
             out.append((name, sum(w * v for w, v in values) / total, kwargs))
-        return out
+        return _on_host(out)
+
+
+def _on_host(records: list[Record]) -> list[Record]:
+    """The records with their tensor values moved to the CPU, one concatenated copy per dtype."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, (_, value, _) in enumerate(records):
+        if isinstance(value, torch.Tensor):
+            by_dtype.setdefault(value.dtype, []).append(i)
+    records = list(records)
+    for indices in by_dtype.values():
+        tensors = [records[i][1] for i in indices]
+        flat = torch.cat([t.reshape(-1) for t in tensors]).cpu()
+        for i, t, part in zip(indices, tensors, flat.split([t.numel() for t in tensors])):
+            name, _, kwargs = records[i]
+            records[i] = (name, part.view(t.shape), kwargs)
+    return records
 
 
 def replay(module: nn.Module, records: list[Record]) -> None:
@@ -62,7 +98,7 @@ def replay(module: nn.Module, records: list[Record]) -> None:
 
     A module driven without a Trainer (the engine used directly) has nowhere to log to.
     """
-    if getattr(module, "_trainer", None) is None:
+    if attached_trainer(module) is None:
         return
     for name, value, kwargs in records:
         module.log(name, value, **kwargs)

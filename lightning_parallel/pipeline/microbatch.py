@@ -39,17 +39,20 @@ def _split(batch: Any, parts: int) -> list[Any]:
 def split_batch(batch: Any, micro_batches: int) -> tuple[list[Any], list[float]]:
     """The micro-batches and their weights ``size_i / batch_size`` (``1 / M`` when the split is even).
 
-    Weighting each micro-batch's mean loss by its share of samples makes the sum equal the full
-    batch's mean loss even when the batch size is not a multiple of ``micro_batches``.
+    A batch of fewer samples than ``micro_batches`` (the last batch of an epoch without
+    ``drop_last``) is split into one micro-batch per sample. Sizes differ by at most one
+    (``torch.tensor_split``: 17 into 4 gives 5, 4, 4, 4). Weighting each micro-batch's mean loss by
+    its share of samples makes the sum equal the full batch's mean loss, as one device computes it,
+    whenever the loss is a mean over samples that each count alike (the same number of tokens in
+    each). A loss averaged over a varying number of tokens per micro-batch (padding, ignored labels)
+    becomes the sample-weighted mean of micro-batch means, as with gradient accumulation.
     """
     size = _first_tensor(batch).shape[0]
-    if size < micro_batches:
-        raise PipelineConfigError(
-            f"a batch of {size} samples cannot be split into micro_batches={micro_batches}; use micro_batches <= "
-            f"{size} or a larger batch size (a multiple of {micro_batches} keeps micro-batches equal)"
-        )
-    sizes = [len(chunk) for chunk in torch.tensor_split(torch.arange(size), micro_batches)]
-    return _split(batch, micro_batches), [s / size for s in sizes]
+    if size == 0:
+        raise PipelineConfigError("a pipelined batch must hold at least one sample along dim 0, got an empty batch")
+    parts = min(size, micro_batches)
+    sizes = [len(chunk) for chunk in torch.tensor_split(torch.arange(size), parts)]
+    return _split(batch, parts), [s / size for s in sizes]
 
 
 def signature(micro_batch: Any) -> tuple:

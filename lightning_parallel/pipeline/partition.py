@@ -2,9 +2,11 @@
 
 The model's repeated blocks (the largest ``nn.ModuleList``/``nn.Sequential`` of same-type modules,
 or the path given as ``blocks``) are cut into contiguous stages balanced by parameter count, or
-by an explicit ``layout`` of blocks per stage. The parameter-holding modules registered before
-the block list run before it (embeddings) and belong to the first stage; those registered after
-it (final norm, head) belong to the last stage; the engine checks that order at run time. With
+by an explicit ``layout`` of blocks per stage. The parameter-holding modules that run before
+the blocks (embeddings) belong to the first stage, those that run after them (final norm, head) to
+the last stage. Where they run is learned from one forward (``order.trace_run_order``); without
+one, registration order stands in for it (registered before the block list: runs before it), and
+the stand-ins check that order at run time. With
 ``V`` virtual stages per rank, stage ``s`` lives on rank ``s % P`` (looped placement, Narayanan
 et al. 2021, arXiv 2104.04473).
 """
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from lightning_parallel.pipeline.errors import PipelineConfigError, PipelineIncompatibleModel
+from lightning_parallel.pipeline.order import RunOrder
 
 
 def find_blocks(module: nn.Module, path: str | None = None) -> tuple[str, nn.Module]:
@@ -105,13 +108,17 @@ def balance(costs: list[int], parts: int, first_extra: int = 0, last_extra: int 
 
 @dataclass(frozen=True)
 class StagePlan:
-    """Blocks of every (virtual) stage, and the modules before and after the blocks."""
+    """Blocks of every (virtual) stage, and the modules before and after the blocks.
+
+    ``traced``: whether ``pre``/``post`` come from a traced forward (else from registration order).
+    """
 
     blocks_path: str
     stage_blocks: tuple[range, ...]
     pre: tuple[str, ...]
     post: tuple[str, ...]
     ranks: int
+    traced: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -136,11 +143,12 @@ class StagePlan:
 
 
 def plan_stages(
-    module: nn.Module, ranks: int, virtual_stages: int = 1, blocks: str | None = None, layout: list[int] | None = None
+    module: nn.Module, ranks: int, virtual_stages: int = 1, blocks: str | None = None, layout: list[int] | None = None,
+    order: RunOrder | None = None,
 ) -> StagePlan:
-    """Split ``module`` into ``ranks x virtual_stages`` stages."""
+    """Split ``module`` into ``ranks x virtual_stages`` stages; ``order`` says where the outer modules run."""
     path, block_list = find_blocks(module, blocks)
-    pre, post = outer_modules(module, path)
+    pre, post = (order.pre, order.post) if order is not None else outer_modules(module, path)
     parts = ranks * virtual_stages
     n = len(block_list)
     if layout is not None:
@@ -160,7 +168,7 @@ def plan_stages(
     stage_blocks = tuple(range(a, a + size) for a, size in zip(starts, sizes))
     assigned = sorted(i for r in stage_blocks for i in r)
     assert assigned == list(range(n)), f"blocks assigned {assigned}, expected each of 0..{n - 1} exactly once"
-    return StagePlan(path, stage_blocks, tuple(pre), tuple(post), ranks)
+    return StagePlan(path, stage_blocks, tuple(pre), tuple(post), ranks, order is not None)
 
 
 def shared_parameters(module: nn.Module, plan: StagePlan) -> list[tuple[str, tuple[int, ...]]]:

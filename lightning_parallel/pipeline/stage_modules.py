@@ -2,17 +2,29 @@
 
 The user's forward still runs from the top on every stage. Modules owned by another stage are
 swapped for weightless stand-ins: a ``Placeholder`` returns zeros shaped like the real output, a
-``SkipBlock`` passes the hidden state through. The block list keeps its length and names, so
-``layer_types[i]`` style code and checkpoint keys stay right. During each micro-batch a
-``StageRuntime`` says which blocks are active: the first one takes the hidden state received from
-the previous stage, the last one (on every stage but the last) stops the forward by raising
-``StageExit`` with its output, which the engine sends on. Identity checks on every block call
-prove that only the hidden state flows from block to block.
+``SkipBlock`` passes the hidden state through and carries the plain attributes of the block it
+replaces (``attention_type``, ``layer_idx``), which outer forwards read. The block list keeps its
+length and names, so ``layer_types[i]`` style code and checkpoint keys stay right. During each
+micro-batch a ``StageRuntime`` says which blocks are active: the first one takes the hidden state
+received from the previous stage; on every stage but the last, the call of the first block *after*
+the stage stops the forward by raising ``StageExit`` with that call's hidden-state input, which the
+engine sends on. Ending at the next block's input rather than at the last block's output carries
+across the boundary whatever the caller computes between blocks (``x = 0.9 * block(x)``): the
+sending stage computes it once, and the receiving stage's first block gets exactly that tensor.
+
+A caller that also keeps the block's input (``h = h + block(h)``) uses its own copy of ``h`` after
+the first block, not the block's argument. So the stand-in just before a stage returns the received
+state: the caller's update then turns its stale ``h``, zeros from the placeholders, into
+``0 + received``, the exact value. ``PipelineEngine.partition`` checks at setup that the caller's
+copy indeed equals the received state wherever the caller reuses a block's input
+(``StageRuntime.probing``); ``order.trace_run_order`` checks that nothing else crosses.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
+import inspect
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -21,14 +33,21 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from lightning_parallel.pipeline.errors import PipelineIncompatibleModel
+from lightning_parallel.compat import in_backward, tree_map
+from lightning_parallel.pipeline.errors import REENTRANT, PipelineIncompatibleModel
 from lightning_parallel.pipeline.partition import StagePlan
 
-TENSOR, TUPLE = 0, 1  # how a block returns its hidden state: the tensor itself, or element 0
+TENSOR = 0  # how a block returns its hidden state: the tensor itself (0), or element 0 of a tuple of that length
+
+
+def wrap(hidden: torch.Tensor, convention: int) -> Any:
+    """A stand-in block's output in the real blocks' form: the tensor, or a tuple of the blocks' length
+    (``hidden, state, attentions = block(...)`` still unpacks) with None after the hidden state."""
+    return hidden if convention == TENSOR else (hidden, *([None] * (convention - 1)))
 
 
 class StageExit(BaseException):
-    """Raised by the last block of a non-final stage; carries that block's hidden-state output.
+    """Raised by the first block after a non-final stage; carries that block's hidden-state input.
 
     A ``BaseException`` so that ``except Exception`` in user or library code cannot swallow it.
     """
@@ -52,8 +71,15 @@ class StageRuntime:
     active: bool = False
     # id(hidden state a first block was called with) -> weak refs to it and to the received state used instead
     substituted: dict = field(default_factory=dict)
+    # set by ``probe``: whether the caller's own hidden state at the first block equalled the received one
+    probing: bool = False
+    caller_matches: Optional[bool] = None
+    training: bool = False
+    device: torch.device = torch.device("cpu")  # where the stage computes (meta while probing a meta-device model)
 
-    def begin(self, blocks: range, exits: bool, received: Optional[torch.Tensor], convention: int) -> None:
+    def begin(self, blocks: range, exits: bool, received: Optional[torch.Tensor], convention: int,
+              training: bool = False) -> None:
+        self.training = training
         self.first_block, self.last_block, self.exits = blocks.start, blocks.stop - 1, exits
         self.received, self.convention = received, convention
         self.previous_out, self.blocks_started, self.active = (), False, True
@@ -73,7 +99,7 @@ class StageRuntime:
         """
         hidden, rest_args, rest_kwargs = _split_input(args, kwargs)
         if forward is None:  # a block of another stage passes the hidden state through, as in forward
-            return hidden if self.convention == TENSOR else (hidden,)
+            return wrap(hidden, self.convention)
         refs = self.substituted.get(id(hidden))
         if refs is not None and refs[0]() is hidden and refs[1]() is not None:
             hidden = refs[1]()
@@ -82,15 +108,22 @@ class StageRuntime:
         return forward(*rest_args, **dict(rest_kwargs, hidden_states=hidden))
 
     def zeros(self, shape: tuple[int, ...], like: Optional[torch.Tensor]) -> torch.Tensor:
+        """Zeros of ``shape`` on the stage's device: floating ones in the received activation's dtype."""
         ref = self.received if self.received is not None else like
-        return torch.zeros((), dtype=ref.dtype, device=ref.device).expand(shape)
+        dtype = like.dtype if like is not None and not like.is_floating_point() else ref.dtype
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def stand_in(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A weightless stand-in for a parameter or buffer of a module another stage owns: zeros of its
+        shape and dtype on the stage's device, one expanded element (no memory for a whole table)."""
+        return torch.zeros((), dtype=tensor.dtype, device=self.device).expand(tensor.shape)
 
 
 def _hidden_of(out: Any) -> tuple[torch.Tensor, int]:
     if isinstance(out, torch.Tensor):
         return out, TENSOR
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
-        return out[0], TUPLE
+        return out[0], len(out)
     raise PipelineIncompatibleModel(
         f"a pipeline block returned {type(out).__name__}; blocks must return the hidden state as a tensor or "
         "as element 0 of a tuple"
@@ -117,44 +150,43 @@ class BlockDispatch:
     def __call__(self, forward: Optional[Callable], *args, **kwargs):
         rt = self.runtime
         if not rt.active:
-            if torch._C._current_graph_task_id() != -1:  # inside backward: activation checkpointing recomputes
+            if in_backward():  # inside backward: activation checkpointing recomputes
                 return rt.recompute(forward, args, kwargs)
             raise RuntimeError(
                 f"block {self.index} was called outside a pipeline step; a partitioned model only runs through "
                 "its PipelineEngine (the Trainer's training, validation, test and predict loops)"
             )
         hidden, rest_args, rest_kwargs = _split_input(args, kwargs)
-        self._check_flow(hidden, rest_args, rest_kwargs)
+        self._check_flow(rest_args, rest_kwargs)
         rt.blocks_started = True
+        if rt.exits and self.index == rt.last_block + 1:
+            raise StageExit(hidden)
         if self.index < rt.first_block:  # before this stage: pass the hidden state through
-            out = hidden if rt.convention == TENSOR else (hidden,)
+            if self.index == rt.first_block - 1 and rt.received is not None:
+                hidden = rt.received  # the caller's update after this block then starts from the received state
+            out = wrap(hidden, rt.convention)
         else:
             if self.index == rt.first_block and rt.received is not None:
+                if rt.probing and not hidden.is_meta:  # a meta-device model has no values to compare
+                    rt.caller_matches = hidden is rt.received or torch.equal(hidden, rt.received)
                 rt.substituted[id(hidden)] = (weakref.ref(hidden), weakref.ref(rt.received))
                 hidden = rt.received
             if forward is None or self.index > rt.last_block:
                 raise RuntimeError(f"block {self.index} runs on another pipeline stage; the stage should have ended")
+            if rt.training and not torch.is_grad_enabled():
+                raise PipelineIncompatibleModel(REENTRANT.format(index=self.index))
             call_args = (hidden,) + rest_args if args else rest_args
             if not args:
                 rest_kwargs = dict(rest_kwargs, hidden_states=hidden)
             out = forward(*call_args, **rest_kwargs)
-        out_hidden, rt.convention = _hidden_of(out)
+        _, rt.convention = _hidden_of(out)
         rt.previous_out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
-        if self.index == rt.last_block and rt.exits:
-            raise StageExit(out_hidden)
         return out
 
-    def _check_flow(self, hidden, rest_args, rest_kwargs) -> None:
+    def _check_flow(self, rest_args, rest_kwargs) -> None:
         previous = self.runtime.previous_out
         if self.index == 0 or not previous:
             return
-        if hidden is not previous[0]:
-            raise PipelineIncompatibleModel(
-                f"block {self.index}: its hidden-state input is not the output of block {self.index - 1} (an "
-                "operation runs between blocks); only the blocks themselves may transform the hidden state. "
-                "Reentrant activation checkpointing (torch.utils.checkpoint(..., use_reentrant=True)) also returns a "
-                "new tensor between blocks; use use_reentrant=False, which pipeline stages support"
-            )
         extra = [t for t in previous[1:] if isinstance(t, torch.Tensor)]
         if any(a is t for a in (*rest_args, *rest_kwargs.values()) for t in extra):
             raise PipelineIncompatibleModel(
@@ -163,26 +195,63 @@ class BlockDispatch:
             )
 
 
+def _copy_plain_attributes(original: nn.Module, shell: nn.Module) -> None:
+    """Give ``shell`` the public non-module attributes of ``original`` and attribute-only copies of its children.
+
+    Parameters and buffers are left behind (that is the point of a stand-in), replaced by plain
+    meta-device attributes of their shape and dtype; configuration values such as
+    ``attention_type`` or ``layer_idx`` that the caller reads from each block stay readable.
+    """
+    for name, value in vars(original).items():
+        if not name.startswith("_") and name != "training" and not hasattr(shell, name):
+            setattr(shell, name, value)
+    for name, tensor in [*original.named_parameters(recurse=False), *original.named_buffers(recurse=False)]:
+        if tensor is not None and not hasattr(shell, name):
+            object.__setattr__(shell, name, torch.empty_like(tensor, device="meta"))
+    for name, child in original.named_children():
+        copy = nn.Module()
+        _copy_plain_attributes(child, copy)
+        shell.add_module(name, copy)
+
+
 class SkipBlock(nn.Module):
     """Stand-in for a block owned by another stage: no weights, passes the hidden state through."""
 
-    def __init__(self, runtime: StageRuntime, index: int):
+    def __init__(self, runtime: StageRuntime, index: int, original: nn.Module):
         super().__init__()
-        self.dispatch = BlockDispatch(runtime, index)
+        self._dispatch = BlockDispatch(runtime, index)
+        _copy_plain_attributes(original, self)
 
     def forward(self, *args, **kwargs):
-        return self.dispatch(None, *args, **kwargs)
+        return self._dispatch(None, *args, **kwargs)
+
+
+def _meta_copy(module: nn.Module) -> Optional[nn.Module]:
+    """``module`` with its parameters and buffers on the meta device (no memory); None for modules of
+    ``tensor_parallel``, whose forward would run collectives."""
+    if any(type(m).__module__.startswith("lightning_parallel.") for m in module.modules()):
+        return None
+    memo: dict = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad) for p in module.parameters()}
+    memo.update({id(b): torch.empty_like(b, device="meta") for b in module.buffers()})
+    return copy.deepcopy(module, memo)
+
+
+def _to_meta(value: Any) -> Any:
+    return value.to("meta") if isinstance(value, torch.Tensor) else value
 
 
 class Placeholder(nn.Module):
     """Stand-in for an embedding, norm or head owned by another stage: returns zeros of the right shape.
 
-    The shape follows the real module (an embedding appends its dimension, a linear layer replaces
-    the last one, anything else keeps its input's shape); the dtype is that of the activation the
-    stage received, so masks and rotary tables built from it get the dtype they would have had.
+    The shape is that of the real module's output, found by running a copy of it on the meta device
+    (no memory, no arithmetic); where that fails, it follows the module's type (an embedding appends
+    its dimension, a linear layer replaces the last one, anything else keeps its input's shape). The
+    dtype is that of the activation the stage received, so masks and rotary tables built from it get
+    the dtype they would have had. The zeros are real (not an expanded scalar), so code that writes
+    into them in place still runs. Attributes of the module stay readable through the meta copy.
     """
 
-    def __init__(self, runtime: StageRuntime, original: nn.Module, name: str, before_blocks: bool):
+    def __init__(self, runtime: StageRuntime, original: nn.Module, name: str, before_blocks: Optional[bool]):
         super().__init__()
         self.runtime, self.name, self.before_blocks = runtime, name, before_blocks
         if isinstance(original, nn.Embedding):
@@ -191,9 +260,40 @@ class Placeholder(nn.Module):
             self.kind, self.dim = "replace", original.out_features
         else:
             self.kind, self.dim = "same", 0
+        object.__setattr__(self, "_meta", _meta_copy(original))  # unregistered: not a submodule, no state
+        if self._meta is None:
+            _copy_plain_attributes(original, self)
+
+    def _on_meta(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        """``fn`` of the meta copy on meta versions of the arguments, its tensors then turned into zeros."""
+        with torch.no_grad():
+            out = fn(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+        return tree_map(lambda t: self.runtime.zeros(t.shape, t) if isinstance(t, torch.Tensor) else t, out)
+
+    def __getattr__(self, name: str) -> Any:
+        """What the caller reads from the real module comes from the meta copy: plain values; for a
+        tensor (``ngram_embeddings.weight`` read and indexed by ProphetNet's decoder) zeros of its shape
+        and dtype on the stage's device, so arithmetic with the stage's tensors runs; a method it
+        calls (``embed_positions._forward(ids)``) runs there and returns zeros."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            meta = self.__dict__.get("_meta")
+            if meta is None:
+                raise
+            value = getattr(meta, name)
+            if inspect.ismethod(value):
+                return lambda *args, **kwargs: self._on_meta(value, args, kwargs)
+            return self.runtime.stand_in(value) if isinstance(value, torch.Tensor) else value
 
     def forward(self, *args, **kwargs):
-        check_order(self.runtime, self.name, self.before_blocks)
+        if self.before_blocks is not None:
+            check_order(self.runtime, self.name, self.before_blocks)
+        if self._meta is not None:
+            try:
+                return self._on_meta(self._meta, args, kwargs)
+            except Exception:  # noqa: BLE001 - data-dependent code cannot run on meta; fall back to the type
+                object.__setattr__(self, "_meta", None)
         x = args[0] if args else next(iter(kwargs.values()))
         if self.kind == "append":
             shape = (*x.shape, self.dim)
@@ -235,11 +335,14 @@ def apply_stage_plan(module: nn.Module, plan: StagePlan, rank: int, runtime: Sta
         before = name in plan.pre
         owner = 0 if before else plan.num_stages - 1
         if owner in my_stages:
+            if plan.traced:  # the order was seen in a forward at setup
+                continue
             module.get_submodule(name).register_forward_pre_hook(
                 lambda _m, _a, name=name, before=before: check_order(runtime, name, before)
             )
         else:
-            _set_submodule(module, name, Placeholder(runtime, module.get_submodule(name), name, before))
+            _set_submodule(module, name, Placeholder(runtime, module.get_submodule(name), name,
+                                                     None if plan.traced else before))
     blocks = module.get_submodule(plan.blocks_path)
     for i in range(len(blocks)):
         if plan.block_owner(i) in my_stages:
@@ -247,4 +350,4 @@ def apply_stage_plan(module: nn.Module, plan: StagePlan, rank: int, runtime: Sta
             blocks[i]._pipeline_dispatch = BlockDispatch(runtime, i)
             blocks[i].forward = types.MethodType(_dispatched_forward, blocks[i])
         else:
-            blocks[i] = SkipBlock(runtime, i)
+            blocks[i] = SkipBlock(runtime, i, blocks[i])

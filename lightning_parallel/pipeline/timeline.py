@@ -2,11 +2,12 @@
 
 The top panel is the simulator's ideal schedule (forward costs 1, backward 2); with ``--measure``
 a second panel shows the intervals the engine recorded while training the default GPT on
-``--stages`` local CPU processes (gloo). Forward intervals are light, backward dark, each labelled
-with its micro-batch; white space is the bubble.
+``--stages`` local CPU processes (gloo). Forward intervals are light, backward dark, the weight
+pass purple, each labelled with its micro-batch (the legend says which is which); white space is
+the bubble. The picture goes to ``--out`` (default: the system's temporary folder).
 
     python -m lightning_parallel.pipeline.timeline --stages 4 --micro-batches 8 --schedule 1f1b \
-        --measure --out docs/pipeline_timeline.png
+        --measure --out timeline.png
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ from lightning_parallel.pipeline.simulator import Interval, simulate
 
 # (chunk 0, other chunks); W is the weight-gradient pass the engine runs after a stage's last input gradient
 _COLOURS = {"F": ("#9ecae1", "#6baed6"), "B": ("#3182bd", "#08519c"), "W": ("#756bb1", "#54278f")}
+_LABELS = {"F": "forward", "B": "backward", "W": "weight-gradient pass"}
+DEFAULT_OUT = os.path.join(tempfile.gettempdir(), "pipeline_timeline.png")
+
+
+class TimelineError(ValueError):
+    """Nothing to draw; the message says why and what to run instead."""
 
 
 def bubble_fraction(intervals: list[Interval], ranks: int) -> float:
@@ -36,6 +43,8 @@ def bubble_fraction(intervals: list[Interval], ranks: int) -> float:
 
 
 def _draw(ax, intervals: list[Interval], ranks: int, title: str, unit: str) -> None:
+    from matplotlib.patches import Patch
+
     for i in intervals:
         colour = _COLOURS[i.op][0 if i.stage < ranks else 1]
         ax.barh(i.rank, i.end - i.start, left=i.start, height=0.8, color=colour, edgecolor="black", linewidth=0.4)
@@ -45,11 +54,20 @@ def _draw(ax, intervals: list[Interval], ranks: int, title: str, unit: str) -> N
     ax.invert_yaxis()
     ax.set_xlabel(unit)
     ax.set_title(f"{title}: bubble {bubble_fraction(intervals, ranks):.1%} of the step")
+    ops = sorted({i.op for i in intervals}, key="FBW".index)
+    chunked = any(i.stage >= ranks for i in intervals)
+    handles = [Patch(color=_COLOURS[op][0], label=_LABELS[op] + (" (chunk 0; later chunks darker)" if chunked else ""))
+               for op in ops]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="white: idle",
+              title_fontsize=8)
 
 
 def render(path: str, stages: int, micro_batches: int, schedule: str, virtual_stages: int = 1,
            measured: Optional[list[Interval]] = None) -> None:
     """Save the simulated (and, if given, measured) timeline of one step to ``path``."""
+    if measured is not None and not measured:
+        raise TimelineError("the measured run recorded no intervals, so there is nothing to draw; "
+                            "draw the simulated schedule alone by leaving out --measure")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -101,7 +119,15 @@ def measure(stages: int, micro_batches: int, schedule: str, virtual_stages: int 
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(_record, (stages, micro_batches, schedule, virtual_stages, port, out),
                            nprocs=stages, start_method="fork")
-        return [Interval(**i) for r in range(stages) for i in torch.load(f"{out}/rank{r}.pt")]
+        return [Interval(**i) for r in range(stages) for i in _load_rank(f"{out}/rank{r}.pt", r)]
+
+
+def _load_rank(path: str, rank: int) -> list[dict]:
+    """One rank's recorded intervals; a clear error when the file is missing or empty."""
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        raise TimelineError(f"rank {rank} left no intervals in {path} (the file is missing or empty): its "
+                            "training step did not finish; see that rank's error above")
+    return torch.load(path)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -111,10 +137,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
     parser.add_argument("--virtual-stages", type=int, default=1)
     parser.add_argument("--measure", action="store_true", help="also run the default GPT and draw what happened")
-    parser.add_argument("--out", default="pipeline_timeline.png")
+    parser.add_argument("--out", default=DEFAULT_OUT, help=f"PNG file to write (default {DEFAULT_OUT})")
     args = parser.parse_args(argv)
-    measured = measure(args.stages, args.micro_batches, args.schedule, args.virtual_stages) if args.measure else None
-    render(args.out, args.stages, args.micro_batches, args.schedule, args.virtual_stages, measured)
+    try:
+        measured = measure(args.stages, args.micro_batches, args.schedule, args.virtual_stages) if args.measure else None
+        render(args.out, args.stages, args.micro_batches, args.schedule, args.virtual_stages, measured)
+    except TimelineError as err:
+        parser.exit(1, f"timeline: {err}\n")
     print(f"wrote {args.out}")
 
 
