@@ -3,27 +3,90 @@
     from lightning_parallel import ParallelStrategy
     trainer = Trainer(devices=8, strategy=ParallelStrategy(tensor_parallel=2, pipeline_parallel=2))
 
-Importing the package registers the strategy names ``lp_dp``, ``lp_tp``, ``lp_pp`` and ``lp_3d``
-with Lightning, so ``Trainer(strategy="lp_dp")`` works too.
+The strategy names ``lp_dp``, ``lp_tp``, ``lp_pp`` and ``lp_3d`` are registered with Lightning, so
+``Trainer(strategy="lp_dp")`` works too. Importing this package is cheap: the names below are
+imported on first use, and Lightning (several seconds to import) is only touched once something
+imports it; the strategy names are registered at that moment (or at once, if it already is).
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
+from __future__ import annotations
 
-from lightning_parallel.mesh import MeshError, ParallelMesh
-from lightning_parallel.strategy import (
-    DataParallelStrategy,
-    ParallelStrategy,
-    PipelineParallelStrategy,
-    TensorParallelStrategy,
-)
+import importlib
+import importlib.abc
+import importlib.util
+import sys
 
-ParallelStrategy.register_strategies(StrategyRegistry)
+_EXPORTS = {
+    "DataParallelStrategy": "lightning_parallel.strategy",
+    "ParallelStrategy": "lightning_parallel.strategy",
+    "PipelineParallelStrategy": "lightning_parallel.strategy",
+    "TensorParallelStrategy": "lightning_parallel.strategy",
+    "MeshError": "lightning_parallel.mesh",
+    "ParallelMesh": "lightning_parallel.mesh",
+}
 
-__all__ = [
-    "DataParallelStrategy",
-    "MeshError",
-    "ParallelMesh",
-    "ParallelStrategy",
-    "PipelineParallelStrategy",
-    "TensorParallelStrategy",
-]
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'lightning_parallel' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+# registered name -> (class in lightning_parallel.strategy, description)
+_STRATEGY_NAMES = {
+    "lp_dp": ("DataParallelStrategy", "data parallelism with bucketed, overlapped all-reduce"),
+    "lp_tp": ("TensorParallelStrategy", "Megatron-style tensor parallelism over all devices"),
+    "lp_pp": ("PipelineParallelStrategy", "pipeline parallelism (1F1B) over all devices"),
+    "lp_3d": ("ParallelStrategy", "data x tensor x pipeline parallelism"),
+}
+
+
+def _strategy_factory(class_name: str):
+    """Builds the strategy on first use, so registering imports nothing of ours."""
+
+    def build(**kwargs):
+        return getattr(importlib.import_module("lightning_parallel.strategy"), class_name)(**kwargs)
+
+    return build
+
+
+def _register_strategy_names() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for name, (class_name, description) in _STRATEGY_NAMES.items():
+        if name not in StrategyRegistry:
+            StrategyRegistry.register(name, _strategy_factory(class_name), description=description)
+
+
+class _RegisterAfterLightning(importlib.abc.MetaPathFinder):
+    """Registers the strategy names right after ``lightning.pytorch`` finishes importing.
+
+    A post-import hook: it finds the module with the normal finders and wraps its loader's
+    ``exec_module``, so the names exist before any ``Trainer`` can read the registry.
+    """
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "lightning.pytorch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        load = spec.loader.exec_module
+
+        def load_then_register(module) -> None:
+            load(module)
+            _register_strategy_names()
+
+        spec.loader.exec_module = load_then_register
+        return spec
+
+
+if "lightning.pytorch" in sys.modules:
+    _register_strategy_names()
+elif not any(isinstance(f, _RegisterAfterLightning) for f in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterAfterLightning())

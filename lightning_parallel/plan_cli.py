@@ -9,19 +9,30 @@ refuses, with the corrected `#SBATCH` lines and overrides, a layout that does no
 allocation, a TP group that spans nodes, or sizes the model does not divide (`slurm_checks.py`).
 Inside a SLURM job it checks the real allocation too, so the sbatch script runs it before `srun`.
 The model is built on the meta device: a 7B plan takes a second and no memory.
+
+Every fix printed is verified first: the config with the suggested overrides is composed again
+and passes the same checks (`verified_fixes`). `lp-train` runs `check_launch` in the launching
+process, so the mistakes found here stop a run before any rank starts.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import re
 import sys
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
-from hydra import compose, initialize_config_module
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
+from lightning_parallel.config_checks import ConfigError, check_config, strategy_options
 from lightning_parallel.estimate import (
     RankMemory,
     count_parameters,
@@ -29,6 +40,7 @@ from lightning_parallel.estimate import (
     tp_sharded_parameters,
 )
 from lightning_parallel.mesh import ParallelMesh
+from lightning_parallel.overrides import compose_config
 from lightning_parallel.pipeline.partition import StagePlan
 from lightning_parallel.slurm_checks import (
     LaunchConfigError,
@@ -36,6 +48,7 @@ from lightning_parallel.slurm_checks import (
     check_layout,
     check_model,
 )
+from lightning_parallel.tensor_parallel.resolve import divisors
 
 
 @dataclass(frozen=True)
@@ -51,16 +64,10 @@ class LaunchPlan:
     stages: StagePlan | None
     memory: list[RankMemory]
     micro_batches: int
-    micro_batch_size: int
-    tokens_per_step: int
-
-
-def _strategy_options(cfg: DictConfig) -> dict:
-    """The strategy's keyword arguments; Lightning's own strategies ("auto", "ddp") give none."""
-    strategy = cfg.get("strategy")
-    if not isinstance(strategy, DictConfig):
-        return {}
-    return OmegaConf.to_container(strategy, resolve=True)
+    micro_batch_size: int | None
+    tokens_per_step: int | None
+    # "module glob: style" -> number of modules it shards
+    tp_plan: dict[str, int] = field(default_factory=dict)
 
 
 def _mesh_sizes(options: dict, world: int) -> dict:
@@ -74,11 +81,17 @@ def _mesh_sizes(options: dict, world: int) -> dict:
     }
 
 
-def build_plan(cfg: DictConfig) -> LaunchPlan:
-    """Check the launch described by a composed `lp-train` config and estimate its memory."""
-    options = _strategy_options(cfg)
+def build_plan(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> LaunchPlan:
+    """Check the launch described by a composed `lp-train` config and estimate its memory.
+
+    Raises ``ConfigError`` (config_checks) or ``LaunchConfigError`` (slurm_checks).
+
+    ``env`` is the environment the SLURM allocation is read from (none outside a job).
+    """
+    check_config(cfg)
+    options = strategy_options(cfg)
     num_nodes, devices = int(cfg.trainer.num_nodes), int(cfg.trainer.devices)
-    check_allocation(num_nodes, devices)
+    check_allocation(num_nodes, devices, env)
     mesh = check_layout(_mesh_sizes(options, num_nodes * devices), num_nodes, devices)
     with torch.device("meta"):
         model: nn.Module = instantiate(cfg.model)
@@ -91,22 +104,24 @@ def build_plan(cfg: DictConfig) -> LaunchPlan:
         virtual_stages=options.get("virtual_stages", 1),
         pipeline_layout=options.get("pipeline_layout"),
     )
-    batch = int(cfg.data.batch_size)
     micro_batches = options.get("micro_batches") or mesh.pp_size
-    if batch % micro_batches:
+    # a data module of the user's own may have neither; then only the layout is checked
+    batch, seq = cfg.data.get("batch_size"), cfg.data.get("block_size")
+    if batch is not None and int(batch) % micro_batches:
+        batch = int(batch)
         raise LaunchConfigError(
             f"data.batch_size={batch} (per replica) is not divisible by micro_batches={micro_batches}; "
             f"use a batch size that is a multiple of it, e.g.\n    data.batch_size={batch - batch % micro_batches or micro_batches}"
         )
-    seq = int(cfg.data.block_size)
     memory = []
-    if stages is not None:
+    if stages is not None and batch is not None and seq is not None:
         memory = estimate_memory(
-            model, stages, tp_sharded_parameters(assignments), mesh.tp_size, seq, batch // micro_batches,
+            model, stages, tp_sharded_parameters(assignments), mesh.tp_size, int(seq), int(batch) // micro_batches,
             micro_batches, options.get("schedule", "1f1b"), options.get("sequence_parallel", False),
             cfg.trainer.precision,
         )
     accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1))
+    known = batch is not None and seq is not None
     return LaunchPlan(
         model_name=type(model).__name__,
         parameters=count_parameters(model),
@@ -117,9 +132,84 @@ def build_plan(cfg: DictConfig) -> LaunchPlan:
         stages=stages,
         memory=memory,
         micro_batches=micro_batches,
-        micro_batch_size=batch // micro_batches,
-        tokens_per_step=batch * seq * mesh.dp_size * accumulate,
+        micro_batch_size=int(batch) // micro_batches if batch is not None else None,
+        tokens_per_step=int(batch) * int(seq) * mesh.dp_size * accumulate if known else None,
+        tp_plan=dict(Counter(f"{a.glob}: {a.entry.style}" for a in assignments if a.entry.style)),
     )
+
+
+def _closest_first(values: list[int], target: int) -> list[int]:
+    return sorted(values, key=lambda v: (abs(math.log(v / target)), -v))
+
+
+def _candidate_fixes(cfg: DictConfig) -> list[tuple[str, list[str]]]:
+    """(what it changes, overrides) pairs to try, the nearest to what was asked first."""
+    options = strategy_options(cfg)
+    nodes, devices = int(cfg.trainer.num_nodes), int(cfg.trainer.devices)
+    world = nodes * devices
+    sizes = _mesh_sizes(options, world)
+    tp, pp = int(sizes["tensor_parallel"]), int(sizes["pipeline_parallel"])
+    strategy = cfg.get("strategy") if isinstance(cfg.get("strategy"), DictConfig) else {}
+
+    def key(name: str, value) -> str:
+        return f"{'' if name in strategy else '+'}strategy.{name}={value}"
+
+    fixes = []
+    for t in _closest_first(divisors(devices), tp):  # keep the allocation, change the layout
+        for p in _closest_first(divisors(world // t), pp):
+            if (t, p) == (tp, pp):
+                continue
+            overrides = [key(name, v) for name, v, now in (("tensor_parallel", t, tp), ("pipeline_parallel", p, pp))
+                         if v != now]
+            if "data_parallel" in strategy:
+                overrides.append(key("data_parallel", world // (t * p)))
+            fixes.append((f"keep {nodes} node(s) x {devices} devices", overrides))
+    dp = sizes["data_parallel"]
+    wanted = tp * pp * (int(dp) if str(dp).isdigit() else max(1, world // (tp * pp)))
+    per_node = [d for d in divisors(wanted) if d % tp == 0]  # keep the layout, change the allocation
+    for d in _closest_first(per_node, devices) if per_node else []:
+        fixes.append((f"keep tp={tp} pp={pp}", [f"trainer.num_nodes={wanted // d}", f"trainer.devices={d}"]))
+    return fixes
+
+
+def verified_fixes(overrides: list[str], cfg: DictConfig, limit: int = 3) -> list[tuple[str, list[str]]]:
+    """Fixes for a launch that fails, each one composed with ``overrides`` and passing ``build_plan``."""
+    found, kinds = [], Counter()
+    for kind, fix in _candidate_fixes(cfg):
+        if kinds[kind] >= limit:
+            continue
+        try:
+            build_plan(compose_config(overrides + fix), env={})
+        except (LaunchConfigError, ValueError, HydraException):
+            continue
+        found.append((kind, fix))
+        kinds[kind] += 1
+    return found
+
+
+def format_fixes(fixes: list[tuple[str, list[str]]]) -> str:
+    lines = []
+    for kind, fix in fixes:
+        nodes = next((f.split("=")[1] for f in fix if f.startswith("trainer.num_nodes=")), None)
+        devices = next((f.split("=")[1] for f in fix if f.startswith("trainer.devices=")), None)
+        sbatch = f"   (sbatch --nodes={nodes} --ntasks-per-node={devices})" if nodes else ""
+        lines.append(f"    {' '.join(fix)}{sbatch}   # {kind}")
+    return "\n".join(lines)
+
+
+def constraint(err: LaunchConfigError) -> str:
+    """The violated constraint of a launch error, without the fixes it proposes."""
+    first = str(err).split("\n")[0]
+    return re.split(r"(?<=\.) (?:Use|Either|Or|Allocate)\b", first)[0].rstrip(":, ")
+
+
+def explain_failure(err: LaunchConfigError, overrides: list[str], cfg: DictConfig) -> str:
+    """The error, with only fixes that pass every check; the error's own advice when none is found
+    (a fix outside the layout: a file path, a batch size, a schedule name)."""
+    fixes = verified_fixes(overrides, cfg)
+    if not fixes:
+        return str(err)
+    return f"{constraint(err)}\nLaunches that pass every check:\n{format_fixes(fixes)}"
 
 
 def _blocks(blocks: tuple[int, ...]) -> str:
@@ -130,12 +220,13 @@ def format_plan(plan: LaunchPlan) -> str:
     lines = [
         f"model: {plan.model_name}, {plan.parameters / 1e6:,.1f}M parameters",
         f"launch: {plan.num_nodes} node(s) x {plan.devices_per_node} devices, precision {plan.precision}",
-        (
-            f"batch: {plan.micro_batches} micro-batch(es) of {plan.micro_batch_size} sequences per replica, "
-            f"{plan.tokens_per_step:,} tokens per optimizer step"
-        ),
         plan.mesh.describe(plan.devices_per_node),
     ]
+    if plan.tokens_per_step is not None:
+        lines.insert(2, f"batch: {plan.micro_batches} micro-batch(es) of {plan.micro_batch_size} sequences per "
+                        f"replica, {plan.tokens_per_step:,} tokens per optimizer step")
+    if plan.tp_plan:
+        lines.append("tp plan: " + ", ".join(f"{k} (x{n})" for k, n in plan.tp_plan.items()))
     if plan.stages is not None:
         s = plan.stages
         lines.append(f"stages: blocks of {s.blocks_path} (first also {', '.join(s.pre) or '-'}; last also {', '.join(s.post) or '-'})")
@@ -158,19 +249,32 @@ def format_plan(plan: LaunchPlan) -> str:
 
 def dry_run(cfg: DictConfig) -> LaunchPlan:
     """Print the plan of `cfg` (what `lp-train dry_run=true` does); raises LaunchConfigError."""
-    plan = build_plan(cfg)
+    plan = check_launch(cfg)
     print(format_plan(plan))
     return plan
 
 
+def check_launch(cfg: DictConfig) -> LaunchPlan:
+    """`build_plan` for `lp-train`, whose errors carry only verified fixes."""
+    try:
+        return build_plan(cfg)
+    except LaunchConfigError as err:
+        if not HydraConfig.initialized():
+            raise
+        overrides = list(HydraConfig.get().overrides.task)
+        raise LaunchConfigError(explain_failure(err, overrides, cfg)) from None
+
+
 def main(argv: list[str] | None = None) -> None:
     overrides = sys.argv[1:] if argv is None else argv
-    with initialize_config_module("lightning_parallel.conf", version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
+    cfg = compose_config(overrides)
     try:
         dry_run(cfg)
-    except LaunchConfigError as err:
+    except ConfigError as err:
         print(f"lp-plan: this launch would fail:\n{err}", file=sys.stderr)
+        sys.exit(1)
+    except LaunchConfigError as err:
+        print(f"lp-plan: this launch would fail:\n{explain_failure(err, overrides, cfg)}", file=sys.stderr)
         sys.exit(1)
 
 

@@ -4,23 +4,62 @@
     lp-train strategy=tp strategy.tensor_parallel=2
     lp-train strategy=pp trainer.devices=4 strategy.micro_batches=8
     lp-train strategy=single                           # the one-process reference
+    lp-train model=custom model._target_=my_pkg.MyModule data=custom data._target_=my_pkg.MyData
     lp-train dry_run=true strategy=3d trainer.devices=8  # print the plan, train nothing
+    lp-train ckpt_path=outputs/<date>/<time>/checkpoints/last.ckpt   # resume, data position included
     python -m lightning_parallel.train --cfg job       # print the composed config
 
 Model, data, strategy and trainer are each built from their config group's `_target_`, so any
-LightningModule or LightningDataModule trains with no change to this file. With the popen
-launcher Lightning re-runs this same command for ranks 1..N-1, adding `hydra.run.dir=<this run's
-folder>`, so every rank reads the same config and writes into the same folder.
+LightningModule or LightningDataModule trains with no change to this file (`model=custom` and
+`data=custom` are empty groups for your own classes; their constructor arguments go in with `+`,
+e.g. `+model.hidden=64`). With the popen launcher Lightning re-runs this same command for ranks
+1..N-1, adding `hydra.run.dir=<this run's folder>`, so every rank reads the same config and writes
+into the same folder.
+
+Before Lightning is even imported, the launching process checks everything the config alone
+decides (plan_cli.check_launch: sizes, layout, the model's divisibility on the meta device,
+pipeline options, paths), so a bad launch fails in seconds with the fix, before any rank starts.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
+
 import hydra
-import lightning as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from lightning_parallel.strategy import ParallelStrategy
+from lightning_parallel.overrides import suggest_for_unknown_keys
+
+log = logging.getLogger("lightning_parallel")
+
+
+def _build_model(cfg: DictConfig, trainer):
+    """The model, initialised the same way on every layout (one device included).
+
+    Our strategies create it on the meta device and give each rank its part (init.py); every
+    other strategy gets it built on the meta device too and materialised whole, from the same
+    per-module seeds, so that `strategy=single` is the reference the parallel runs start from.
+    """
+    import torch
+
+    from lightning_parallel.init import UnsplitModel, empty_parameters, materialize
+    from lightning_parallel.strategy import ParallelStrategy
+
+    if isinstance(trainer.strategy, ParallelStrategy):
+        with trainer.init_module(empty_init=True):
+            return instantiate(cfg.model, _convert_="all")
+    with trainer.init_module(empty_init=False), empty_parameters():
+        model = instantiate(cfg.model, _convert_="all")
+    try:
+        materialize(model, UnsplitModel.of(model), 0, 1, trainer.strategy.root_device, torch.initial_seed())
+    except ValueError as err:  # a parameter no init function sets: build it as its constructor does
+        log.warning("%s; building %s as its constructor does instead", err, type(model).__name__)
+        with trainer.init_module(empty_init=False):
+            model = instantiate(cfg.model, _convert_="all")
+    return model
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -30,25 +69,58 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
         dry_run(cfg)
         return {}
-    L.seed_everything(cfg.seed, workers=True)
+    from lightning_parallel.config_checks import check_config
+
+    check_config(cfg)  # seconds before torch and Lightning are imported
+    from lightning_parallel.plan_cli import check_launch
+
+    plan = check_launch(cfg)
+
+    from lightning_parallel.quiet import quiet_known_warnings, quiet_resume_warning
+
+    quiet_known_warnings()
+    import lightning as L
+
+    if logging.getLogger().handlers:  # Hydra's console and train.log handlers; Lightning's own would repeat each line
+        logging.getLogger("lightning").handlers.clear()
+    from lightning_parallel.run_summary import RunSummary
+
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
     # plain Python arguments, so the hyperparameters saved in checkpoints load with weights_only
     datamodule = instantiate(cfg.data, _convert_="all")
-    callbacks = [instantiate(c) for c in cfg.callbacks.values()]
+    quiet_resume_warning(datamodule)
+    callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [RunSummary(plan)]
     trainer = instantiate(cfg.trainer, callbacks=callbacks)
-    # our strategies create the parameters on the meta device and materialise only what each rank
-    # holds; other strategies (Lightning's own) build the model as usual
-    with trainer.init_module(empty_init=isinstance(trainer.strategy, ParallelStrategy)):
-        model = instantiate(cfg.model, _convert_="all")
+    model = _build_model(cfg, trainer)
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    if trainer.is_global_zero and "val_loss" in metrics:
-        print(f"final val_loss {metrics['val_loss']:.4f}")
-    return metrics
+    return {k: float(v) for k, v in trainer.callback_metrics.items()}
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    train(cfg)
+def _hydra_main(cfg: DictConfig) -> None:
+    try:
+        train(cfg)
+    except ValueError as err:
+        from lightning_parallel.config_checks import ConfigError
+
+        if not isinstance(err, ConfigError):
+            from lightning_parallel.slurm_checks import LaunchConfigError  # imported already if it was raised
+
+            if not isinstance(err, LaunchConfigError):
+                raise
+        print(f"lp-train: this launch would fail:\n{err}", file=sys.stderr)
+        sys.exit(1)
+
+
+def main() -> None:
+    # as `python -m` would: a module of your own in the folder you run from is found by _target_
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    hint = suggest_for_unknown_keys(sys.argv[1:])
+    if hint:
+        print(f"lp-train: {hint}", file=sys.stderr)
+        sys.exit(2)
+    _hydra_main()
 
 
 if __name__ == "__main__":

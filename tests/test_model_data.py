@@ -222,3 +222,26 @@ def test_too_little_text_is_rejected_with_the_remedy(tmp_path):
     (tmp_path / "t.txt").write_bytes(b"x" * 100)
     with pytest.raises(ValueError, match="smaller block_size"):
         _datamodule(tmp_path, block_size=64, val_fraction=0.1)
+
+
+@pytest.mark.timeout(10)
+def test_replicas_together_read_the_single_process_order_and_resume_skips_the_first_pass_only():
+    from lightning_parallel.data.text import ResumingSampler
+
+    data = list(range(24))
+    single = list(ResumingSampler(data))
+    assert single == data  # the windows are already random: no reshuffling
+    replicas = [list(ResumingSampler(data, num_replicas=2, rank=r)) for r in (0, 1)]
+    assert sorted(replicas[0][:3] + replicas[1][:3]) == single[:6]  # first batch of 3 per replica
+    resumed = ResumingSampler(data, num_replicas=2, rank=1, skip=3)
+    assert list(resumed) == replicas[1][3:]
+    assert list(resumed) == replicas[1]  # the next epoch is whole again
+
+
+@pytest.mark.timeout(10)
+def test_checkpoint_monitor_follows_the_logged_validation_metric():
+    from lightning_parallel.auto_monitor import pick_monitor
+
+    assert pick_monitor(["train_loss", "val_acc", "val_loss"]) == "val_loss"
+    assert pick_monitor(["train_mse", "val_mse", "val_r2"]) == "val_mse"
+    assert pick_monitor(["train_loss"]) is None

@@ -27,29 +27,16 @@ def _compose(*overrides):
         return compose("train", overrides=list(overrides))
 
 
-def _has_parallel_strategies():
-    try:
-        import lightning_parallel.strategy  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_strategies = pytest.mark.skipif(
-    not _has_parallel_strategies(), reason="lightning_parallel.strategy is not importable"
-)
-
-
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     "group, devices, expected",
     [
         ("single", 1, "SingleDeviceStrategy"),
         ("ddp", 2, "DDPStrategy"),
-        pytest.param("dp", 2, "DataParallelStrategy", marks=needs_strategies),
-        pytest.param("tp", 2, "TensorParallelStrategy", marks=needs_strategies),
-        pytest.param("pp", 2, "PipelineParallelStrategy", marks=needs_strategies),
-        pytest.param("3d", 4, "ParallelStrategy", marks=needs_strategies),
+        ("dp", 2, "DataParallelStrategy"),
+        ("tp", 2, "TensorParallelStrategy"),
+        ("pp", 2, "PipelineParallelStrategy"),
+        ("3d", 4, "ParallelStrategy"),
     ],
 )
 def test_strategy_group_becomes_the_trainers_strategy(tmp_path, group, devices, expected):
@@ -102,7 +89,6 @@ def test_cfg_job_prints_the_composed_config():
     assert cfg["trainer"]["strategy"] == "${strategy}"
 
 
-@needs_strategies
 @pytest.mark.timeout(90)
 def test_lp_train_with_two_data_parallel_processes_shares_one_run_folder(tmp_path):
     # The popen launcher re-runs this command line for rank 1 with hydra.run.dir pointing at

@@ -5,17 +5,24 @@ default corpus is the Python standard library's own `.py` sources, present on ev
 that runs this package. Items are pure functions of their index, so Lightning's
 `DistributedSampler` can shard them across data-parallel ranks and every pipeline or tensor
 parallel rank of one replica sees the same batch.
+
+Resuming mid-epoch continues the epoch where the checkpoint left it: the data module saves how
+many batches of the current epoch the fit loop had taken, and the first epoch after a resume
+skips that many batches of indices (no data is read for them), so a resumed run trains on the
+very batches the uninterrupted run would have (`ResumingSampler`).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 VOCAB_SIZE = 256
 
@@ -88,6 +95,24 @@ class ContiguousWindows(Dataset):
         return window[:-1], window[1:]
 
 
+class ResumingSampler(DistributedSampler):
+    """One data-parallel replica's share of the indices, in order; the first pass starts ``skip`` in.
+
+    The windows are already at random offsets, so the order is not shuffled: one process, or N
+    replicas together, read the same windows in the same order (replica r takes positions r, r+N,
+    ...), and Lightning, which shuffles the sampler it would inject for training, sees this one
+    already in place. After a resume, ``skip`` is the replica's samples already trained on.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0, skip: int = 0):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[int]:
+        skip, self.skip = self.skip, 0
+        return itertools.islice(super().__iter__(), skip, None)
+
+
 class TextDataModule(L.LightningDataModule):
     """Byte-level next-token data from a file, a folder of files, or (default) the stdlib.
 
@@ -112,6 +137,7 @@ class TextDataModule(L.LightningDataModule):
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction must lie strictly between 0 and 1, got {val_fraction}")
         self.save_hyperparameters()
+        self._resume_batches = 0
 
     def setup(self, stage: str | None = None) -> None:
         hp = self.hparams
@@ -129,11 +155,29 @@ class TextDataModule(L.LightningDataModule):
         self.val_set = ContiguousWindows(val, hp.block_size, hp.val_samples)
 
     def train_dataloader(self) -> DataLoader:
-        # Windows are already at random offsets, so the order need not be shuffled again.
-        return DataLoader(
-            self.train_set, batch_size=self.hparams.batch_size, shuffle=False, drop_last=True,
-            num_workers=self.hparams.num_workers,
-        )
+        # the data-parallel share Lightning would give (one replica on one process)
+        shares = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer else None
+        shares = shares or {"num_replicas": 1, "rank": 0}
+        skip, self._resume_batches = self._resume_batches, 0
+        sampler = ResumingSampler(self.train_set, skip=skip * self.hparams.batch_size, **shares)
+        return DataLoader(self.train_set, sampler=sampler, batch_size=self.hparams.batch_size, drop_last=True,
+                          num_workers=self.hparams.num_workers)
+
+    def state_dict(self) -> dict[str, int]:
+        """Batches of the current epoch the fit loop has taken (saved in every checkpoint)."""
+        trainer = self.trainer
+        if trainer is None:
+            return {}
+        return {"epoch_batches": trainer.fit_loop.epoch_loop.batch_progress.current.ready,
+                "batches_per_epoch": trainer.num_training_batches}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Makes the next training epoch start after the batches the checkpoint had taken.
+
+        Both counts are one replica's batches; an epoch that had ended leaves nothing to skip.
+        """
+        taken = state_dict.get("epoch_batches", 0)
+        self._resume_batches = 0 if taken >= state_dict.get("batches_per_epoch", 0) else taken
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(

@@ -1,0 +1,61 @@
+"""Silence the warnings and tips that `lp-train` itself causes and that need no action from the user.
+
+Each entry below is a message Lightning, torch or torchmetrics prints for something this package
+does on purpose; everything else still reaches the user. Installed in every rank's process, so a
+message that would repeat once per rank is gone everywhere, not only on rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+# (message regex, why it is harmless here)
+HARMLESS_WARNINGS = (
+    # SLURMEnvironment sees `srun` on PATH; lp-train runs locally unless launched by srun
+    (r"The `srun` command is available on your system but is not used", "local launch on a SLURM login node"),
+    # the run's logger is chosen in conf/trainer (CSV), so Lightning's default-logger notice does not apply
+    (r"Starting from v1\.9\.0, `tensorboardX` has been removed", "the logger is configured explicitly"),
+    # Lightning's own pytree helpers still use LeafSpec; once per rank with torch >= 2.10
+    (r".*LeafSpec.*is deprecated", "inside Lightning, not in user code"),
+    # under pipeline parallelism only the last stage updates metrics; the others replay its values
+    (r"The ``compute`` method of metric .* was called before the ``update`` method", "pipeline stages"),
+    # resuming into a new Hydra run folder; the run summary says where checkpoints now go
+    (r"The dirpath has changed from", "resume into a new run folder"),
+)
+
+# Lightning's rank-zero advertisements, logged at INFO level
+_TIPS = ("💡 Tip:",)
+
+
+class _DropTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_TIPS)
+
+
+def quiet_known_warnings() -> None:
+    """Install the filters (idempotent)."""
+    for pattern, _why in HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    # logger filters see only records logged at that logger: these two are where rank_zero_info logs
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropTips) for f in logger.filters):
+            logger.addFilter(_DropTips())
+    # per-rank notices ("Initializing distributed: GLOBAL_RANK: 3"): rank 0's is enough
+    if int(os.environ.get("LOCAL_RANK", 0)) > 0 or int(os.environ.get("NODE_RANK", 0)) > 0:
+        logging.getLogger("lightning.fabric.utilities.distributed").setLevel(logging.WARNING)
+
+
+def quiet_resume_warning(datamodule) -> None:
+    """Drop Lightning's "your dataloader is not resumable" when the data module restores its position.
+
+    Lightning asks the dataloader for ``state_dict``; a data module that saves and restores the
+    epoch position itself (``TextDataModule``) resumes exactly, so the warning would be wrong.
+    For any other data module it stays: resuming mid-epoch there restarts the epoch.
+    """
+    from lightning.pytorch import LightningDataModule
+
+    if type(datamodule).load_state_dict is not LightningDataModule.load_state_dict:
+        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
