@@ -17,6 +17,14 @@ materialises through the same function, so it starts from the very same values.
 The rule to know: initialisation written as a loop after construction (nanoGPT's scaling of
 ``c_proj`` weights by ``1/sqrt(2 * n_layer)``) is not replayed; put it in ``_init_weights`` or in
 the module's ``reset_parameters``. A parameter that neither sets is an error naming it.
+
+A model built with real values (no ``empty_init``) is split in host memory instead: rank 0's
+initial values are broadcast while it is still on the CPU it was built on (``broadcast_on_host``),
+tensor and pipeline parallelism split it there, and only this rank's stage and shards then move to
+the accelerator. Every rank already holds the whole model in host memory at that point (it built
+it), so the broadcast costs no extra memory anywhere. It is needed for exactness: processes that
+each run the script (``start_method="popen"``, torchrun) build different random values unless the
+script seeds them alike, and the strategy's own seeding happens after the model exists.
 """
 
 from __future__ import annotations
@@ -28,10 +36,14 @@ from dataclasses import dataclass
 from typing import Callable, ClassVar, Generator, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from lightning_parallel.compat import _sync_module_states_over
 from lightning_parallel.tensor_parallel.shard import slice_shard
+
+_BUCKET_BYTES = 250 * 1024 * 1024  # the bucket Lightning's and DDP's initial broadcast use
 
 
 class _SkipInit(TorchFunctionMode):
@@ -67,6 +79,25 @@ def empty_parameters() -> Generator[None, None, None]:
 
 def has_meta_parameters(module: nn.Module) -> bool:
     return any(p.is_meta for p in module.parameters())
+
+
+def on_host(module: nn.Module) -> bool:
+    """Whether every parameter and buffer of ``module`` is in CPU memory (where a model is built)."""
+    return all(t.device.type == "cpu" for t in (*module.parameters(), *module.buffers()))
+
+
+def broadcast_on_host(module: nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank, sent between CPU tensors (``module`` is ``on_host``).
+
+    Uses the default process group when it is gloo (CPU runs: the numbers are those of Lightning's
+    ``_sync_module_states``), otherwise a gloo group over all ranks made for this one broadcast, as
+    NCCL sends only accelerator tensors. Collective: every rank calls it.
+    """
+    group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
+    _sync_module_states_over(module, group, _BUCKET_BYTES, src=0, params_and_buffers_to_ignore=ignored)
+    if group is not dist.group.WORLD:
+        dist.destroy_process_group(group)
 
 
 @dataclass

@@ -8,7 +8,9 @@ Three kinds of mistakes, each refused with the lines that would fix it:
    parallel group would span two nodes (TP groups are runs of consecutive ranks, see mesh.py, and
    need the fast intra-node links: Narayanan et al. 2021, arXiv 2104.04473 §3.3);
 3. the model cannot be split as asked: heads, hidden or vocabulary not divisible by the TP size,
-   or fewer blocks than pipeline stages.
+   a plan that names no module or an unknown style, or fewer blocks than pipeline stages;
+4. the model trains in a way the pipeline cannot run: manual optimisation, or a loss scaler
+   (precision ``16-mixed``).
 
 Pure apart from reading the environment: every rank raises the same error before any collective.
 """
@@ -26,11 +28,8 @@ from lightning_parallel.pipeline.errors import (
     PipelineIncompatibleModel,
 )
 from lightning_parallel.pipeline.partition import StagePlan, find_blocks, plan_stages
-from lightning_parallel.tensor_parallel.plan import (
-    TensorParallelError,
-    detect_plan,
-    parse_plan,
-)
+from lightning_parallel.tensor_parallel.detect import detect_plan
+from lightning_parallel.tensor_parallel.plan import TensorParallelError, parse_plan
 from lightning_parallel.tensor_parallel.resolve import (
     Assignment,
     divisors,
@@ -158,10 +157,10 @@ def check_model(
                 t for t in divisors(mesh.world_size)
                 if t < mesh.tp_size and _tp_fits(model, t, tp_plan, sequence_parallel)
             ]
-            raise LaunchConfigError(
-                f"{err}\nTP sizes this model and world allow: {fits}, e.g.\n"
-                f"    strategy.tensor_parallel={max(fits)} strategy.data_parallel=auto"
-            ) from None
+            # a plan that fits no size (a glob that names no module, an unknown style) has its own fix
+            hint = (f"\nTP sizes this model and world allow: {fits}, e.g.\n"
+                    f"    strategy.tensor_parallel={max(fits)} strategy.data_parallel=auto") if fits else ""
+            raise LaunchConfigError(f"{err}{hint}") from None
     try:
         blocks = len(find_blocks(model, pipeline_blocks)[1])
     except (PipelineIncompatibleModel, PipelineConfigError) as err:
@@ -174,10 +173,10 @@ def check_model(
         if pipeline_layout is not None:  # the message already gives a layout that works
             raise LaunchConfigError(str(err)) from None
         fits = [p for p in divisors(mesh.world_size // mesh.tp_size) if p * virtual_stages <= blocks]
-        raise LaunchConfigError(
-            f"{err}. Pipeline sizes that fit the model and the world: {fits}, e.g.\n"
-            f"    strategy.pipeline_parallel={max(fits)} strategy.data_parallel=auto"
-        ) from None
+        hint = (f". Pipeline sizes that fit the model and the world: {fits}, e.g.\n"
+                f"    strategy.pipeline_parallel={max(fits)} strategy.data_parallel=auto") if fits else (
+                "; or train without pipelining:\n    strategy.pipeline_parallel=1")
+        raise LaunchConfigError(f"{err}{hint}") from None
     return assignments, stages
 
 
@@ -194,6 +193,29 @@ def _tp_fits(model: nn.Module, tp: int, tp_plan: Mapping | None, sequence_parall
     return True
 
 
+def check_training_mode(model: nn.Module, pipeline_parallel: int, automatic_optimization: bool,
+                        loss_scaler: bool) -> None:
+    """Refuse what the pipeline cannot run: it calls forward and backward of every micro-batch
+    itself, inside ``training_step``, and scales no loss."""
+    if pipeline_parallel == 1:
+        return
+    name = type(model).__name__
+    if not automatic_optimization:
+        raise LaunchConfigError(
+            f"{name} sets automatic_optimization = False, which pipeline_parallel={pipeline_parallel} does not "
+            "support: the pipeline runs forward and backward of every micro-batch itself, inside training_step, "
+            "so manual_backward and optimizer.step() calls there have no gradients to act on. Return the loss "
+            "from training_step and let Lightning optimise (automatic_optimization = True), or train without "
+            "pipelining (data and tensor parallelism support manual optimisation):\n"
+            "    strategy.pipeline_parallel=1"
+        )
+    if loss_scaler:
+        raise LaunchConfigError(
+            f"{name}: precision '16-mixed' needs a loss scaler, which pipeline_parallel={pipeline_parallel} does "
+            "not apply; train in bfloat16 or float32:\n    trainer.precision=bf16-mixed"
+        )
+
+
 def validate_launch(
     mesh_sizes: Mapping,
     num_nodes: int,
@@ -205,6 +227,8 @@ def validate_launch(
     pipeline_blocks: str | None = None,
     virtual_stages: int = 1,
     pipeline_layout: list[int] | None = None,
+    automatic_optimization: bool = True,
+    loss_scaler: bool = False,
 ) -> ParallelMesh:
     """All launch checks, for a strategy to call in ``setup_environment`` before any collective.
 
@@ -213,12 +237,14 @@ def validate_launch(
         num_nodes, devices_per_node: the Trainer's ``num_nodes`` and ``devices``.
         model: when given, also check that it splits into the TP and PP sizes, with the strategy's
             ``tp_plan``, ``sequence_parallel``, ``pipeline_blocks``, ``virtual_stages`` and
-            ``pipeline_layout``.
+            ``pipeline_layout``, and that it trains in a way the pipeline runs (``automatic_optimization``,
+            no ``loss_scaler``).
 
     Returns the mesh (sizes only; no process groups). Raises ``LaunchConfigError``.
     """
     check_allocation(num_nodes, devices_per_node)
     mesh = check_layout(mesh_sizes, num_nodes, devices_per_node)
     if model is not None:
+        check_training_mode(model, mesh.pp_size, automatic_optimization, loss_scaler)
         check_model(model, mesh, tp_plan, sequence_parallel, pipeline_blocks, virtual_stages, pipeline_layout)
     return mesh

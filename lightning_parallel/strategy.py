@@ -3,55 +3,79 @@
 The strategy owns the process mesh and composes the three parts in a fixed order at setup:
 
 1. every rank receives rank 0's initial parameters, so all replicas, shards and stages start from
-   the single-device initialisation;
+   the single-device initialisation (in host memory: only what a rank keeps after step 3 moves to
+   its accelerator, ``init.py``);
 2. tensor parallelism shards the modules named by a plan (``tensor_parallel/``);
 3. pipeline parallelism keeps only this rank's stage (``pipeline/``);
 4. the optimizers are created from what is left, and data parallelism hooks the local parameters
    (``data_parallel/``).
 
-After each backward window, gradients are finalised in Megatron-LM's order: data-parallel all-reduce,
-then sequence-parallel norm weights over TP, then weights tied between pipeline stages. Clipping by
-norm then uses the norm of the whole model (``clipping.py``).
+After each backward window, gradients are finalised in Megatron-LM's order (``gradients.py``).
+Clipping by norm then uses the norm of the whole model (``clipping.py``). A module is split once:
+later ``validate``/``test``/``predict``/``fit`` calls on the same Trainer reuse the split (launched
+by popen or torchrun), or receive the trained full weights in the parent process (fork, spawn:
+``launcher.py``).
 """
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Generator, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy as _LightningParallelStrategy
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from lightning_parallel.checkpoint import load_sharded, save_sharded
+from lightning_parallel.checkpoint.atomic import remove_checkpoint_dir, save_file
 from lightning_parallel.clipping import clip_grads_by_global_norm
+from lightning_parallel.compat import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _optimizers_to_device,
+    _SubprocessScriptLauncher,
+    _sync_ddp_if_available,
+    _sync_module_states,
+    attached_trainer,
+    module_hidden_from_teardown,
+    set_skip_backward,
+)
 from lightning_parallel.data_parallel import GradientSynchronizer
 from lightning_parallel.data_parallel.zero import ZeroOneSharding
+from lightning_parallel.gradients import GradientFinalizer
 from lightning_parallel.launcher import MultiProcessingLauncher
-from lightning_parallel.init import UnsplitModel, empty_parameters, has_meta_parameters, materialize
+from lightning_parallel.init import (
+    UnsplitModel,
+    broadcast_on_host,
+    empty_parameters,
+    has_meta_parameters,
+    materialize,
+    on_host,
+)
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.pipeline import PipelineEngine
+from lightning_parallel.pipeline.example import first_batch
 from lightning_parallel.requeue import DeferredRequeue
-from lightning_parallel.slurm_checks import validate_launch
-from lightning_parallel.tensor_parallel import parallelize, sync_sequence_parallel_grads
+from lightning_parallel.slurm_checks import LaunchConfigError, validate_launch
+from lightning_parallel.summary import count_parameters, report_whole_model
+from lightning_parallel.tensor_parallel import parallelize
+from lightning_parallel.tensor_parallel.probe import refuse_failing_split
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
@@ -139,12 +163,23 @@ class ParallelStrategy(_LightningParallelStrategy):
         self.zero: Optional[ZeroOneSharding] = None
         self._sync_blocked = False
         self._requeue = DeferredRequeue(None)
+        self._unsplit_counts: dict[str, tuple[int, int]] = {}  # parameters per module before the split
+        self._split_module: Optional[weakref.ref] = None  # the module split by _split, kept across Trainer calls
+        self.finalize_gradients: Optional[GradientFinalizer] = None
 
     # ---- what Lightning asks of a parallel strategy ---------------------------------------------
     @property
     def is_distributed(self) -> bool:
         # read by Lightning to inject the DistributedSampler and to honour self.log(sync_dist=True)
         return True
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The ``(pp, dp, tp)`` DeviceMesh whose dimension groups this strategy communicates on, for
+        DTensors or FSDP2 on the same groups (available once the processes are set up)."""
+        if self.mesh is None:
+            raise RuntimeError("the device mesh exists once the strategy has set up its processes (Trainer.fit)")
+        return self.mesh.device_mesh
 
     @property
     def is_model_split(self) -> bool:
@@ -215,12 +250,18 @@ class ParallelStrategy(_LightningParallelStrategy):
         self._resolve_sizes()
         sizes = {"tensor_parallel": self.tensor_parallel, "pipeline_parallel": self.pipeline_parallel,
                  "data_parallel": self.data_parallel}
+        module = self.lightning_module
         mesh = validate_launch(
             sizes, self.num_nodes, self.num_processes,
-            model=self.lightning_module if self.is_model_split else None,
+            model=module if self.is_model_split and not self._has_split(module) else None,
             tp_plan=self.tp_plan, sequence_parallel=self.sequence_parallel, pipeline_blocks=self.pipeline_blocks,
             virtual_stages=self.virtual_stages, pipeline_layout=self.pipeline_layout,
+            automatic_optimization=module is None or module.automatic_optimization,
+            loss_scaler=getattr(self.precision_plugin, "scaler", None) is not None,
         )
+        trainer = attached_trainer(module) if module is not None else None
+        if trainer is not None and self.is_model_split:
+            self._refuse_split_model_flags(trainer)
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
@@ -228,8 +269,27 @@ class ParallelStrategy(_LightningParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        self.mesh = mesh.init_process_groups(self.global_rank)
+        if self.mesh is None:  # a later Trainer call in the same process keeps the groups
+            self.mesh = mesh.init_process_groups(self.global_rank, self.root_device.type)
         self._requeue = DeferredRequeue(self.cluster_environment)
+
+    def _refuse_split_model_flags(self, trainer: Any) -> None:
+        """Trainer features that would silently do something else on a split model (TP or PP)."""
+        split = f"tensor_parallel={self.tensor_parallel}, pipeline_parallel={self.pipeline_parallel}"
+        if any(isinstance(callback, StochasticWeightAveraging) for callback in trainer.callbacks):
+            raise LaunchConfigError(
+                f"Trainer(callbacks=[StochasticWeightAveraging(...)]) is not supported with {split}: it averages "
+                "a copy of the whole model taken before the split, and it switches Lightning's backward off and on "
+                "again, which the pipeline relies on. Remove the callback, or average weights with "
+                "DataParallelStrategy (data parallelism only)."
+            )
+        if type(self.checkpoint_io) is not TorchCheckpointIO:
+            raise LaunchConfigError(
+                f"Trainer(plugins=[{type(self.checkpoint_io).__name__}(...)]) is not supported with {split}: a split "
+                "model writes its checkpoint as a directory of shards, one file per stage and shard, without a "
+                "CheckpointIO plugin. Remove the plugin (checkpoints are written synchronously), or use it with "
+                "DataParallelStrategy."
+            )
 
     # ---- model set-up --------------------------------------------------------------------------
     def setup(self, trainer: Any) -> None:
@@ -237,16 +297,69 @@ class ParallelStrategy(_LightningParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         self.precision_plugin.convert_module(self.model)
+        if self._has_split(module):  # a later fit/validate/test/predict in this process: split once
+            self.model_to_device()
+            if self.pipeline is not None:
+                self.pipeline.link.device = self.root_device
+        else:
+            self._unsplit_counts = count_parameters(module)
+            self._split(module)
+        if self.is_model_split:  # Lightning's summary would count rank 0's shard of its stage
+            report_whole_model(trainer.callbacks, self._unsplit_counts)
+        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
+            self.model = self._apply_layer_sync(self.model)
+        if trainer.state.fn == TrainerFn.FITTING:
+            if self.mesh.dp_size > 1:
+                self.grad_sync = GradientSynchronizer(
+                    list(module.parameters()), self.mesh.dp_group, self.bucket_size_mb, shard=self.zero_stage == 1
+                )
+            if self.pipeline is not None:
+                # the pipeline runs forward and backward itself, inside training_step
+                set_skip_backward(trainer, True)
+            self.setup_optimizers(trainer)
+            if self.grad_sync is not None and self.zero_stage == 1:
+                self.zero = ZeroOneSharding(self.grad_sync, self.optimizers)
+            sequence_parallel = self.sequence_parallel and self.tensor_parallel > 1
+            self.finalize_gradients = GradientFinalizer(module, self.pipeline, self.grad_sync, self.zero,
+                                                        self.mesh if sequence_parallel else None)
+        self.setup_precision_plugin()
+        if self.is_model_split or self.zero is not None:
+            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        if self.tensor_parallel > 1 and self.pipeline is None:  # the pipeline probes its own stages
+            refuse_failing_split(self, trainer)
+
+    def _apply_layer_sync(self, model: Any) -> Any:
+        """``Trainer(sync_batchnorm=True)``: BatchNorm statistics over the data-parallel replicas only.
+
+        The TP shards and pipeline stages of one replica read the same samples, so the statistics of a
+        batch are those of the replicas' batches together (``mesh.dp_group``), not of the world.
+        Torch's ``SyncBatchNorm`` normalises CUDA (or XPU, HPU) tensors only.
+        """
+        if isinstance(self._layer_sync, TorchSyncBatchNorm):
+            return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=self.mesh.dp_group)
+        return self._layer_sync.apply(model)
+
+    def _split(self, module: Any) -> None:
+        """Steps 1-3 of the module docstring on a module this strategy has not split before."""
+        self.pipeline = None
         on_meta = has_meta_parameters(module)
         if on_meta:  # nothing to broadcast yet: every rank derives the same values from one seed
             unsplit = UnsplitModel.of(module)
             seed = self.broadcast(torch.initial_seed())
-        else:
+        elif on_host(module):  # split in host memory: only this rank's stage and shards reach the device
+            broadcast_on_host(module)  # rank 0's initial values everywhere (init.py)
+        else:  # built on the device already (trainer.init_module() without empty_init)
             self.model_to_device()
-            _sync_module_states(module)  # rank 0's initial values everywhere (bucketed broadcasts)
+            _sync_module_states(module)
         if self.tensor_parallel > 1:
             parallelize(module, self.mesh, plan=self.tp_plan, sequence_parallel=self.sequence_parallel)
         if self.pipeline_parallel > 1:
+            if self.tensor_parallel > 1 and not on_meta:
+                # the trace runs the TP collectives, which NCCL runs on device tensors only: this rank's
+                # TP shard of every stage moves now, the other stages are dropped on the device below
+                self.model_to_device()
             self.pipeline = PipelineEngine(
                 module,
                 self.mesh,
@@ -256,33 +369,23 @@ class ParallelStrategy(_LightningParallelStrategy):
                 blocks=self.pipeline_blocks,
                 layout=self.pipeline_layout,
             )
-            if getattr(self.precision_plugin, "scaler", None) is not None:
-                raise ValueError(
-                    "pipeline_parallel > 1 supports precision '32-true', 'bf16-mixed' or 'bf16-true'; "
-                    "'16-mixed' needs a loss scaler the pipeline does not apply"
-                )
-            self.pipeline.partition()
+            # the first batch shows the order modules run in (on the meta device for a meta-device model)
+            trainer = attached_trainer(module)
+            example, step = first_batch(trainer, self) if trainer is not None else (None, "training_step")
+            if not on_meta:  # traced where the parameters are (the CPU unless moved just above)
+                example = move_data_to_device(example, next(module.parameters()).device)
+            self.pipeline.partition(example, step)
         if on_meta:  # only this rank's stage and shards are ever allocated
             materialize(module, unsplit, self.mesh.tp_rank, self.mesh.tp_size, self.root_device, seed)
-            self.model_to_device()
-            if self.pipeline is not None:
-                self.pipeline.link.device = self.root_device
-        if trainer.state.fn == TrainerFn.FITTING:
-            if self.mesh.dp_size > 1:
-                self.grad_sync = GradientSynchronizer(
-                    list(module.parameters()), self.mesh.dp_group, self.bucket_size_mb, shard=self.zero_stage == 1
-                )
-            if self.pipeline is not None:
-                # the pipeline runs forward and backward itself, inside training_step
-                trainer.fit_loop._skip_backward = True
-            self.setup_optimizers(trainer)
-            if self.grad_sync is not None and self.zero_stage == 1:
-                self.zero = ZeroOneSharding(self.grad_sync, self.optimizers)
-        self.setup_precision_plugin()
-        if self.is_model_split or self.zero is not None:
-            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+        self.model_to_device()
+        if self.pipeline is not None:
+            self.pipeline.link.device = self.root_device
+        if self.is_model_split:
+            self._split_module = weakref.ref(module)
+
+    def _has_split(self, module: Any) -> bool:
+        """Whether ``module`` is the one this strategy split (checking or splitting it again would fail)."""
+        return self._split_module is not None and self._split_module() is module
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -307,24 +410,39 @@ class ParallelStrategy(_LightningParallelStrategy):
 
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
         if not self.is_model_split:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
+            local = type(self.checkpoint_io) is TorchCheckpointIO and "://" not in str(filepath)
+            if not local or storage_options is not None:
+                return super().save_checkpoint(checkpoint, filepath, storage_options)
+            if self.is_global_zero:  # Lightning's writer may copy over the old file: see atomic.save_file
+                save_file(checkpoint, Path(filepath))
+            return None
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported with a "
                             "split model: it writes a directory of shards itself, without the CheckpointIO plugin")
         save_sharded(self, checkpoint, filepath)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict:
-        if self.zero is not None:
-            raise NotImplementedError(
-                "checkpoints with zero_stage=1 are not supported yet: each rank holds a slice of the optimizer "
-                "state. Train with zero_stage=0 to checkpoint, or save weights only "
-                "(ModelCheckpoint(save_weights_only=True))"
-            )
+        if self.zero is not None:  # the unsharded optimizer's state, gathered on data-parallel rank 0
+            return self.zero.state_dict(optimizer)
         return super().optimizer_state(optimizer)
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if self.zero is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            self.zero.load_state_dict(optimizer, state)  # each rank keeps the slices it steps
+        _optimizers_to_device(self.optimizers, self.root_device)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict:
         # a plain file or a directory of shards, written on any layout
         return load_sharded(self, checkpoint_path, weights_only)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        # a directory of shards disappears by one rename first, so a crash never leaves half of one
+        if self.is_global_zero and Path(filepath).is_dir():
+            remove_checkpoint_dir(Path(filepath))
+        else:
+            super().remove_checkpoint(filepath)
 
     # ---- steps ---------------------------------------------------------------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -335,12 +453,12 @@ class ParallelStrategy(_LightningParallelStrategy):
         if batch_idx % trainer.accumulate_grad_batches == 0:
             for optimizer in self.optimizers:
                 optimizer.zero_grad()
-        # every micro-batch's backward accumulates locally; DP averages once, in _finalize_gradients
+        # every micro-batch's backward accumulates locally; DP averages once, in finalize_gradients
         no_sync = self.grad_sync.no_sync() if self.grad_sync is not None else nullcontext()
         with self.precision_plugin.train_step_context(), no_sync:
             loss = self.pipeline.training_step(batch, batch_idx, loss_scale=1.0 / trainer.accumulate_grad_batches)
         if not self._sync_blocked:
-            self._finalize_gradients()
+            self.finalize_gradients()
         return loss
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -381,31 +499,9 @@ class ParallelStrategy(_LightningParallelStrategy):
             self._sync_blocked = False
 
     def post_backward(self, closure_loss: Tensor) -> None:
+        # after the window's last backward (manual optimisation: after every manual_backward)
         if not self._sync_blocked:
-            self._finalize_gradients()
-
-    def _finalize_gradients(self) -> None:
-        """Complete this window's gradients: tied weights, data-parallel mean, sequence-parallel norms.
-
-        Each step is a sum or a mean over a different group of ranks, so they commute; tied weights
-        go first because under pipeline parallelism every backward has already run and the
-        gradients are still whole (ZeRO-1 keeps only a slice after the DP step).
-        """
-        if self.pipeline is not None:
-            self.pipeline.sync_tied_grads()
-        if self.grad_sync is not None:
-            if self.pipeline is not None:
-                self.grad_sync.sync_now()
-            else:
-                self.grad_sync.finish()
-        if self.zero is not None:
-            self.zero.attach_grads()
-        if self.sequence_parallel and self.tensor_parallel > 1:
-            sync_sequence_parallel_grads(self._grad_holders(), self.mesh)
-
-    def _grad_holders(self) -> torch.nn.Module:
-        """The module whose parameters hold the gradients now (ZeRO-1's pieces, when sharded)."""
-        return self.lightning_module if self.zero is None else self.zero.holder
+            self.finalize_gradients()
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         params = list(self.precision_plugin.main_params(optimizer))
@@ -448,9 +544,15 @@ class ParallelStrategy(_LightningParallelStrategy):
         if self.grad_sync is not None:
             self.grad_sync.remove()
             self.grad_sync = None
-        if self.pipeline is not None and self.lightning_module is not None and self.lightning_module._trainer:
-            self.lightning_module.trainer.fit_loop._skip_backward = False
-        super().teardown()
+        module = self.lightning_module
+        trainer = attached_trainer(module) if module is not None else None
+        if self.pipeline is not None and trainer is not None:
+            set_skip_backward(trainer, False)
+        if module is not None and has_meta_parameters(module):  # a refused setup left nothing to move
+            with module_hidden_from_teardown(self):
+                super().teardown()
+        else:
+            super().teardown()
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

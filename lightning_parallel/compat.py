@@ -1,0 +1,137 @@
+"""Every private name of Lightning and torch that the plugin relies on, in one place.
+
+Lightning offers no public hook for what a strategy needs to do here (take over backward for the
+pipeline, return a split model's weights from worker processes, broadcast module states), so the
+plugin uses a few ``_``-prefixed names, as Lightning's own strategies and NeMo do. The rest of the
+package imports them from this module only, and ``tests/test_compat.py`` checks that each still
+exists, so a Lightning or torch release that moves one fails that test by name instead of
+misbehaving at run time. Tested with lightning 2.6.6 and torch 2.13, hence the dependency
+``lightning>=2.6,<2.7``. torch's ``nn.Module._parameters``, which ``init.py`` reads and writes to
+materialise each module's own parameters, is the one private name used in place: it is how every
+torch utility that walks a module's parameters works.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Generator, Optional
+
+import torch
+from lightning.fabric.utilities.distributed import (  # noqa: F401 - re-exported
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device  # noqa: F401 - re-exported
+from lightning.pytorch.overrides.distributed import _sync_module_states  # noqa: F401 - re-exported
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher  # noqa: F401 - re-exported
+from lightning.pytorch.strategies.launchers.multiprocessing import (  # noqa: F401 - re-exported
+    _MultiProcessingLauncher,
+    _WorkerOutput,
+)
+from torch import nn
+from torch.distributed.utils import _sync_module_states as _sync_module_states_over  # noqa: F401 - re-exported
+from torch.utils._pytree import tree_map  # noqa: F401 - re-exported
+
+#: Lightning hooks and attributes the plugin overrides or reads on classes it subclasses;
+#: checked by ``tests/test_compat.py``.
+OVERRIDDEN = {
+    "lightning.pytorch.strategies.Strategy": ("_configure_launcher", "_launcher", "_lightning_module"),
+    "lightning.pytorch.strategies.ParallelStrategy": ("_layer_sync",),
+    "lightning.pytorch.callbacks.ModelSummary": ("_summary", "_max_depth"),
+    "lightning.pytorch.strategies.launchers.multiprocessing._MultiProcessingLauncher": (
+        "_collect_rank_zero_results", "_recover_results_in_main_process", "_already_fit", "_strategy",
+    ),
+}
+
+
+def set_skip_backward(trainer: Any, skip: bool) -> None:
+    """Make Lightning's automatic optimisation call neither ``backward`` nor ``zero_grad`` (the
+    pipeline runs both inside ``training_step``); the switch NeMo's Megatron strategy uses."""
+    trainer.fit_loop._skip_backward = skip
+
+
+def replace_summary(callback: Any, summary: Any) -> None:
+    """Make a ``ModelSummary`` callback build its summary with ``summary(pl_module, max_depth)``
+    (the callback has no public way to choose the summary class)."""
+    callback._summary = lambda trainer, pl_module: summary(pl_module, callback._max_depth)
+
+
+def loop_data_source(trainer: Any, loop_name: str) -> Any:
+    """The data source (``_DataConnectorSource``) of ``trainer.<loop_name>``, before its loaders exist."""
+    return getattr(trainer, loop_name)._data_source
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside a ``LightningOptimizer`` (or ``optimizer`` itself)."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+def attached_trainer(module: nn.Module) -> Optional[Any]:
+    """The Trainer a LightningModule is attached to, or None (``module.trainer`` raises instead)."""
+    return getattr(module, "_trainer", None)
+
+
+@contextmanager
+def module_hidden_from_teardown(strategy: Any) -> Generator[None, None, None]:
+    """Inside, ``strategy.lightning_module`` is None, so Lightning's ``Strategy.teardown`` does not
+    move it to the CPU (which fails on parameters still on the meta device)."""
+    module = strategy._lightning_module
+    strategy._lightning_module = None
+    try:
+        yield
+    finally:
+        strategy._lightning_module = module
+
+
+def fit_ckpt_path(args: tuple) -> Any:
+    """``ckpt_path`` among the positional arguments ``Trainer.fit`` passes its launcher
+    (model, train_dataloaders, val_dataloaders, datamodule, ckpt_path, weights_only)."""
+    return args[4] if len(args) > 4 else None
+
+
+def autograd_engine() -> Any:
+    """torch's autograd engine, whose ``run_backward`` back-propagates from several roots at once."""
+    return torch.autograd.Variable._execution_engine
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def packed_in_projection(attention: nn.MultiheadAttention) -> bool:
+    """Whether ``nn.MultiheadAttention`` keeps one packed ``in_proj_weight`` (kdim = vdim = embed_dim)."""
+    return attention._qkv_same_embed_dim
+
+
+def fake_store() -> Any:
+    """torch's in-memory store for the ``"fake"`` process-group backend, with which one process plays
+    any rank of any world size (collectives return without communicating); used by ``benchmarks/scale.py``."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def groups_held() -> int:
+    """Process groups this rank is a member of (the default group included)."""
+    return len(torch.distributed.distributed_c10d._world.pg_names)
+
+
+@contextmanager
+def counting_new_group_calls() -> Generator[list[int], None, None]:
+    """Count this rank's ``new_group`` calls, also those that ``DeviceMesh`` makes and those for
+    groups the rank is not in; yields a one-element list holding the count."""
+    c10d = torch.distributed.distributed_c10d
+    original, calls = c10d._new_group_with_tag, [0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    c10d._new_group_with_tag = counted
+    try:
+        yield calls
+    finally:
+        c10d._new_group_with_tag = original

@@ -1,0 +1,71 @@
+"""Gradient finalisation: what happens between the last backward of a step and the optimizer step.
+
+Megatron-LM gathers these steps in one function (``finalize_model_grads``); here they are one
+object, which the strategy calls once per backward window (after every micro-batch's backward
+under pipeline parallelism, after the window's last backward otherwise). The order, and why:
+
+1. **weights tied between pipeline stages** (embedding and head): their gradients are summed over
+   the stages that share them. First, because every stage holds the whole gradient only now;
+   ZeRO-1 keeps just a slice of it after step 2.
+2. **data parallelism**: gradients are averaged over the data-parallel group. Without a pipeline
+   the bucketed all-reduces were launched during backward and are only awaited here (``finish``);
+   a pipeline ran every micro-batch's backward under ``no_sync``, so the buckets are reduced now
+   (``sync_now``). With ZeRO-1 this is a reduce-scatter.
+3. **ZeRO-1**: each rank's averaged slice becomes the gradient of the optimizer's piece
+   (Rajbhandari et al. 2020, stage 1).
+4. **sequence-parallel norms**: norm weights see only their sequence shard under sequence
+   parallelism, so their gradients are summed over the tensor-parallel group (Korthikanti et al.
+   2022, arXiv 2205.05198 §4.2.2), on whichever tensors hold gradients now (ZeRO-1's pieces when
+   sharded).
+
+Steps 1, 2 and 4 are sums or means over different groups of ranks, so they would commute on whole
+gradients; the order matters only because of ZeRO-1's slicing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import nn
+
+from lightning_parallel.data_parallel import GradientSynchronizer
+from lightning_parallel.data_parallel.zero import ZeroOneSharding
+from lightning_parallel.mesh import ParallelMesh
+from lightning_parallel.tensor_parallel import sync_sequence_parallel_grads
+
+
+class GradientFinalizer:
+    """Completes one backward window's gradients, in the order of this module's docstring.
+
+    Args:
+        module: the (possibly split) LightningModule whose parameters hold the gradients.
+        pipeline: the ``PipelineEngine`` under pipeline parallelism, else None.
+        grad_sync: the data-parallel synchronizer when the data-parallel group has several ranks.
+        zero: ZeRO-1's sharding when ``zero_stage=1``.
+        sequence_parallel_mesh: the mesh when sequence parallelism is on with TP > 1, else None.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        pipeline: Optional[Any] = None,
+        grad_sync: Optional[GradientSynchronizer] = None,
+        zero: Optional[ZeroOneSharding] = None,
+        sequence_parallel_mesh: Optional[ParallelMesh] = None,
+    ) -> None:
+        self.module, self.pipeline, self.grad_sync, self.zero = module, pipeline, grad_sync, zero
+        self.sequence_parallel_mesh = sequence_parallel_mesh
+
+    def __call__(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.sync_tied_grads()
+        if self.grad_sync is not None:
+            if self.pipeline is not None:
+                self.grad_sync.sync_now()
+            else:
+                self.grad_sync.finish()
+        if self.zero is not None:
+            self.zero.attach_grads()
+        if self.sequence_parallel_mesh is not None:
+            holder = self.module if self.zero is None else self.zero.holder
+            sync_sequence_parallel_grads(holder, self.sequence_parallel_mesh)

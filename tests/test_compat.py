@@ -1,0 +1,141 @@
+"""Every private Lightning and torch name the plugin relies on (``lightning_parallel/compat.py``)
+still exists and still behaves as the plugin assumes. A release that moves one fails here, by name."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_parallel import compat
+
+REEXPORTED = [
+    "_distributed_is_initialized",
+    "_get_default_process_group_backend_for_device",
+    "_init_dist_connection",
+    "_sync_ddp_if_available",
+    "_optimizers_to_device",
+    "_sync_module_states",
+    "_sync_module_states_over",
+    "_SubprocessScriptLauncher",
+    "_MultiProcessingLauncher",
+    "_WorkerOutput",
+    "tree_map",
+]
+
+
+@pytest.mark.parametrize("name", REEXPORTED)
+def test_reexported_private_name_is_callable(name):
+    assert callable(getattr(compat, name))
+
+
+def _class(path: str) -> type:
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+@pytest.mark.parametrize("path, attribute", [(p, a) for p, names in compat.OVERRIDDEN.items() for a in names])
+def test_overridden_lightning_attribute_exists(path, attribute):
+    cls = _class(path)
+    if hasattr(cls, attribute):
+        return
+    # instance attributes are set in __init__: look for the assignment there
+    init_source = inspect.getsource(cls.__init__)
+    assert f"self.{attribute} =" in init_source or f"self.{attribute}:" in init_source, f"{path}.{attribute}"
+
+
+def test_worker_output_carries_the_weights_path():
+    assert "weights_path" in compat._WorkerOutput._fields
+
+
+def test_skip_backward_switch_is_read_by_the_fit_loop():
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    compat.set_skip_backward(trainer, True)
+    assert trainer.fit_loop.epoch_loop.automatic_optimization._skip_backward is True
+    compat.set_skip_backward(trainer, False)
+    assert trainer.fit_loop.epoch_loop.automatic_optimization._skip_backward is False
+
+
+def test_attached_trainer_is_none_until_a_trainer_holds_the_module():
+    module = L.LightningModule()
+    assert compat.attached_trainer(module) is None
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
+    module.trainer = trainer
+    assert compat.attached_trainer(module) is trainer
+
+
+def test_module_is_hidden_from_teardown_and_restored():
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
+    module = L.LightningModule()
+    trainer.strategy.connect(module)
+    with compat.module_hidden_from_teardown(trainer.strategy):
+        assert trainer.strategy.lightning_module is None
+    assert trainer.strategy.lightning_module is module
+
+
+def test_fit_passes_ckpt_path_fifth_to_its_launcher(monkeypatch):
+    seen = {}
+
+    def fake_run(trainer, trainer_fn, *args, **kwargs):
+        seen["ckpt_path"] = compat.fit_ckpt_path(args)
+
+    monkeypatch.setattr("lightning.pytorch.trainer.call._call_and_handle_interrupt", fake_run)
+    L.Trainer(accelerator="cpu", devices=1, logger=False).fit(L.LightningModule(), ckpt_path="last.ckpt")
+    assert seen["ckpt_path"] == "last.ckpt"
+
+
+def test_autograd_engine_and_backward_detection():
+    x = torch.ones(2, requires_grad=True)
+    inside = []
+    y = x * 2
+    y.register_hook(lambda g: inside.append(compat.in_backward()))
+    (grad,) = compat.autograd_engine().run_backward((y.sum(),), (torch.ones(()),), False, False, (x,), True, False)
+    assert inside == [True] and not compat.in_backward()
+    assert torch.equal(grad, torch.full((2,), 2.0))
+
+
+def test_packed_in_projection_of_multihead_attention():
+    assert compat.packed_in_projection(nn.MultiheadAttention(8, 2))
+    assert not compat.packed_in_projection(nn.MultiheadAttention(8, 2, kdim=4, vdim=4))
+
+
+def test_loop_data_source_holds_the_loader_before_the_loop_builds_it():
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
+    loader = torch.utils.data.DataLoader(torch.zeros(4, 2))
+    trainer.fit_loop._data_source.instance = loader
+    source = compat.loop_data_source(trainer, "fit_loop")
+    assert source.instance is loader and callable(source.is_defined) and callable(source.dataloader)
+
+
+def test_unwrap_optimizer_reaches_the_torch_optimizer_inside_lightnings_wrapper():
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    assert compat.unwrap_optimizer(LightningOptimizer(optimizer)) is optimizer
+    assert compat.unwrap_optimizer(optimizer) is optimizer
+
+
+def test_a_modules_own_parameters_are_in_its_parameters_dict():
+    # init.py reads and replaces ``_parameters`` to materialise a module's own parameters
+    linear = nn.Linear(2, 3)
+    assert set(linear._parameters) == {"weight", "bias"} and linear._parameters["weight"] is linear.weight
+
+
+def test_fake_backend_plays_one_rank_of_a_large_world_and_new_group_calls_are_counted():
+    import torch.distributed as dist
+
+    dist.init_process_group("fake", store=compat.fake_store(), rank=5, world_size=1024)
+    try:
+        held = compat.groups_held()
+        with compat.counting_new_group_calls() as calls:
+            mine = dist.new_group([4, 5], use_local_synchronization=True)
+            dist.new_group([0, 1])  # a group this rank is not in: a call, but nothing held
+        assert calls == [2] and compat.groups_held() == held + 1
+        assert dist.get_world_size(mine) == 2 and dist.get_rank(mine) == 1
+        dist.all_reduce(torch.ones(1), group=mine)  # returns without communicating
+    finally:
+        dist.destroy_process_group()
