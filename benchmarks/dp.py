@@ -7,6 +7,9 @@ same Lightning loop on the same data:
 - ``torch DDP``: Lightning's ``DDPStrategy`` (``torch.nn.parallel.DistributedDataParallel``);
 - ``naive``: one blocking all-reduce per parameter after backward.
 
+A second, convolutional row trains the ResNet-50-shaped module of ``tests/resnet.py`` (bottleneck
+blocks with BatchNorm, tiny widths, 32x32 images) under ours and torch DDP only.
+
 Steps per second are timed on rank 0 between two steps after a warm-up, repeated, and the medians
 printed with the ratios. Run: ``python benchmarks/dp.py [--repeats 5] [--steps 40]``.
 """
@@ -14,7 +17,9 @@ printed with the ratios. Run: ``python benchmarks/dp.py [--repeats 5] [--steps 4
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -61,18 +66,30 @@ class StepTimer(L.Callback):
                 f.write(str(rate))
 
 
-def steps_per_second(strategy, steps: int, warmup: int, batch_size: int) -> float:
-    L.seed_everything(0, verbose=False)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from resnet import ResNet, image_data  # noqa: E402 - the test model, shared with tests/test_trainer_flags.py
+
+
+def text_loader(batch_size: int) -> DataLoader:
     data = TextDataModule(batch_size=batch_size, block_size=64)
     data.setup("fit")
-    loader = DataLoader(data.train_dataloader().dataset, batch_size=batch_size, shuffle=True)
+    return DataLoader(data.train_dataloader().dataset, batch_size=batch_size, shuffle=True)
+
+
+def image_loader(batch_size: int) -> DataLoader:
+    return DataLoader(image_data(n=1024, size=32), batch_size=batch_size, shuffle=True)
+
+
+def steps_per_second(strategy, steps: int, warmup: int, batch_size: int, model=GPT, loader=text_loader) -> float:
+    L.seed_everything(0, verbose=False)
+    loader = loader(batch_size)
     with tempfile.NamedTemporaryFile(suffix=".txt") as out:
         trainer = L.Trainer(
             accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             limit_val_batches=0, callbacks=[StepTimer(warmup, out.name)],
         )
-        trainer.fit(GPT(), loader)
+        trainer.fit(model(), loader)
         return float(open(out.name).read())
 
 
@@ -99,6 +116,20 @@ def main() -> None:
           f"{args.steps - args.warmup} timed steps, median of {args.repeats}")
     print(f"{'variant':<20} {'steps/s (min/med/max)':>26} {'ours / it':>10}")
     for name, r in rates.items():
+        med = statistics.median(r)
+        print(f"{name:<20} {min(r):>8.2f} {med:>8.2f} {max(r):>8.2f} {ours / med:>10.2f}x")
+
+    conv = {name: variants[name] for name in ("lightning_parallel", "torch DDP")}
+    conv_rates: dict[str, list[float]] = {name: [] for name in conv}
+    for _ in range(args.repeats):
+        for name, make in conv.items():
+            conv_rates[name].append(steps_per_second(make(), args.steps, args.warmup, args.batch_size,
+                                                     model=ResNet, loader=image_loader))
+    params = sum(p.numel() for p in ResNet().parameters())
+    ours = statistics.median(conv_rates["lightning_parallel"])
+    print(f"\nResNet-50-shaped (bottlenecks 3-4-6-3, BatchNorm) {params / 1e3:.0f}k params, 32x32 images, "
+          f"2 processes x batch {args.batch_size}, median of {args.repeats}")
+    for name, r in conv_rates.items():
         med = statistics.median(r)
         print(f"{name:<20} {min(r):>8.2f} {med:>8.2f} {max(r):>8.2f} {ours / med:>10.2f}x")
 
