@@ -8,6 +8,9 @@ experts get no token in a step; they are skipped on every rank alike.
 
 from __future__ import annotations
 
+import io
+from contextlib import redirect_stdout
+
 import lightning as L
 import pytest
 import torch
@@ -112,6 +115,12 @@ HF_MOE_CASES = {
         dict(use_qk_norm=True, head_dim=8, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
              n_group=1, topk_group=1, **MOE),
     ),
+    # experts take the routed tokens only, stored (experts, hidden, 2 * inter); layer 0 dense, layer 1 MoE
+    "llama4_text_pre_routed_experts": (
+        "Llama4TextConfig",
+        dict(intermediate_size=16, intermediate_size_mlp=24, head_dim=8, num_local_experts=4, num_experts_per_tok=1,
+             interleave_moe_layer_step=2),
+    ),
 }
 
 
@@ -146,3 +155,24 @@ def test_trainer_with_tp2_strategy_trains_qwen3_moe_like_one_device(tmp_path):
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected["losses"]), rtol=1e-5, atol=1e-5)
     for name, p in got["params"].items():
         torch.testing.assert_close(p, expected["params"][name], rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _llama4_expert_shapes_worker(rank, world):
+    torch.manual_seed(0)
+    model = HF("Llama4TextConfig", **HF_MOE_CASES["llama4_text_pre_routed_experts"][1])
+    experts = model.model.model.layers[1].feed_forward.experts
+    full = {n: p.detach().clone() for n, p in experts.named_parameters()}
+    with redirect_stdout(io.StringIO()):  # the plan table
+        parallelize(model, make_mesh(rank, world, tp=world))
+    return full, {n: p.detach().clone() for n, p in experts.named_parameters()}
+
+
+@pytest.mark.timeout(60)
+def test_llama4_experts_keep_their_half_of_each_packed_projection_per_rank():
+    """gate_up_proj (experts, hidden, 2 * inter): each rank keeps its half of the gate and of the up
+    block; down_proj (experts, inter, hidden): its half of the intermediate rows."""
+    for rank, (full, local) in enumerate(run_distributed(_llama4_expert_shapes_worker, 2)):
+        gate, up = full["gate_up_proj"].chunk(2, dim=-1)
+        half = slice(8 * rank, 8 * rank + 8)
+        torch.testing.assert_close(local["gate_up_proj"], torch.cat([gate[..., half], up[..., half]], dim=-1))
+        torch.testing.assert_close(local["down_proj"], full["down_proj"][:, half])

@@ -231,7 +231,7 @@ def test_barebones_overfit_batches_without_distributed_sampler_match_one_device(
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("precision, tol, dtype", [("bf16-mixed", BF16_MIXED_TOL, torch.float32),
                                                    ("bf16-true", BF16_TRUE_TOL, torch.bfloat16)])
-@pytest.mark.parametrize("layout", ["dp", "3d"])
+@pytest.mark.parametrize("layout", ["dp", "tp", "pp", "3d"])
 def test_bfloat16_precisions_match_one_device(tmp_path, layout, precision, tol, dtype):
     ref, records = run_with_reference(tmp_path, layout, lambda: dict(precision=precision))
     losses = replica_mean(records, layout)
@@ -247,7 +247,7 @@ def test_16_mixed_on_cpu_becomes_bf16_mixed_as_under_lightning():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("layout", ["dp", "3d"])
+@pytest.mark.parametrize("layout", ["dp", "tp", "pp", "3d"])
 def test_max_time_stops_every_rank_at_the_same_step(tmp_path, layout):
     # the Timer broadcasts rank 0's decision; ranks that disagreed would hang or differ in steps
     records = run(tmp_path, layout, lambda: dict(max_steps=-1, max_epochs=None, max_time={"seconds": 1}))

@@ -14,6 +14,14 @@ rank, so an expert that receives no token is skipped on all of them alike and no
 depends on the routing. In backward the input of the experts goes through ``f`` (its gradient is
 the sum of the ranks' partial ones), and so do the routing weights: ``dL/dw_k = <dL/dy, E_k(x)>``
 and each rank holds only its part of ``E_k(x)``.
+
+Llama-4's experts are called ``experts(hidden_states)`` with tokens already routed: the router
+scales each token by its score and repeats it once per expert, so ``hidden_states`` is
+``(experts * tokens, hidden)``, and the parameters are stored for ``x @ W``: ``gate_up_proj``
+``(experts, hidden, 2 * inter)``, ``down_proj`` ``(experts, inter, hidden)``, with no attribute
+saying so (the shapes tell). They split the same way; the input passes through ``f`` and the
+output through ``g`` exactly as for style ``all_reduce``, and the layer's sum over experts then
+runs on the reduced output.
 """
 
 from __future__ import annotations
@@ -24,14 +32,38 @@ from typing import Optional
 from torch import nn
 
 from .comm import copy_to_region, reduce_from_region
+from .replicated import reduce_partial_output
 from .shard import TPShard
 
 EXPERT_INPUTS = ("hidden_states", "top_k_weights")  # the arguments routed through ``f``
 
 
+def _forward_arguments(experts: nn.Module) -> list[str]:
+    try:
+        return list(inspect.signature(type(experts).forward).parameters)[1:]
+    except (TypeError, ValueError):
+        return []
+
+
+def is_pre_routed(experts: nn.Module) -> bool:
+    """Whether ``experts`` takes only the routed tokens (Llama-4), not the routing."""
+    return _forward_arguments(experts) == ["hidden_states"]
+
+
+def _is_transposed(experts: nn.Module) -> bool:
+    """Whether the experts compute ``x @ W`` (intermediate features last in ``gate_up_proj``): read
+    from ``is_transposed`` where the module has it, from the shapes for pre-routed experts."""
+    if hasattr(experts, "is_transposed") or not is_pre_routed(experts):
+        return bool(getattr(experts, "is_transposed", False))
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and down.dim() == 3):
+        return False  # refused by ``check_experts``
+    return gate_up.shape[-1] == 2 * down.shape[-2]  # (experts, hidden, 2 * inter) and (experts, inter, hidden)
+
+
 def expert_layout(experts: nn.Module) -> dict[str, TPShard]:
     """Parameter name -> how it is split, for a Hugging Face experts module."""
-    transposed = bool(getattr(experts, "is_transposed", False))
+    transposed = _is_transposed(experts)
     packed = 2 if getattr(experts, "is_concatenated", True) else 1  # interleaved pairs stay whole
     inter_out, inter_in = (2, 1) if transposed else (1, 2)  # dims holding the intermediate features
     if getattr(experts, "has_gate", True):
@@ -46,12 +78,12 @@ def check_experts(name: str, experts: nn.Module, tp: int) -> Optional[str]:
     """Why ``experts`` cannot be split as ``moe_experts`` over ``tp`` ranks, or None."""
     if getattr(experts, "has_bias", False) or getattr(experts, "has_post_expert_norm", False):
         return f"{name}: style 'moe_experts' supports experts without biases and without a norm after each expert"
-    try:
-        arguments = inspect.signature(type(experts).forward).parameters
-    except (TypeError, ValueError):
-        arguments = {}
-    if not all(a in arguments for a in EXPERT_INPUTS):
-        return f"{name}: style 'moe_experts' needs a forward(hidden_states, top_k_index, top_k_weights)"
+    arguments = _forward_arguments(experts)
+    if not is_pre_routed(experts) and not all(a in arguments for a in EXPERT_INPUTS):
+        return (
+            f"{name}: style 'moe_experts' needs a forward(hidden_states, top_k_index, top_k_weights), or "
+            "forward(hidden_states) taking the routed tokens"
+        )
     for param_name, shard in expert_layout(experts).items():
         p = getattr(experts, param_name, None)
         if not isinstance(p, nn.Parameter) or p.dim() != 3:
@@ -67,7 +99,10 @@ def parallelize_experts(experts: nn.Module, shard, group) -> nn.Module:
     ``f`` on its inputs, ``g`` on its output."""
     for param_name, layout in expert_layout(experts).items():
         setattr(experts, param_name, shard(getattr(experts, param_name), layout))
-    positions = {a: i for i, a in enumerate(list(inspect.signature(type(experts).forward).parameters)[1:])}
+    if is_pre_routed(experts):
+        reduce_partial_output(experts, group)
+        return experts
+    positions = {a: i for i, a in enumerate(_forward_arguments(experts))}
 
     def enter(mod, args, kwargs):
         args = list(args)

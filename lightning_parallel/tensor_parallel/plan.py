@@ -21,7 +21,8 @@ matched against names relative to the module given to ``parallelize``) to a styl
               covers only its heads, so the gradients are summed over TP.
 ``moe_experts``  a Hugging Face experts module (3-D ``gate_up_proj`` / ``down_proj``, every
               expert in one parameter): every expert split Megatron style, the router left whole,
-              one all-reduce of the combined expert output (``moe.py``).
+              one all-reduce of the combined expert output (``moe.py``); Llama-4's experts, which
+              take the routed tokens only, get one all-reduce of their output as ``all_reduce``.
 ``moe_identity_expert``  an identity expert inside ``moe_experts``: its input is divided by the
               TP size, since the experts' output is summed over TP.
 ``mla_kv_a_proj``  the replicated ``kv_a_proj_with_mqa`` of multi-head latent attention: the
