@@ -154,17 +154,16 @@ def _candidate_fixes(cfg: DictConfig) -> list[tuple[str, list[str]]]:
     def key(name: str, value) -> str:
         return f"{'' if name in strategy else '+'}strategy.{name}={value}"
 
+    dp = sizes["data_parallel"]
     fixes = []
     for t in _closest_first(divisors(devices), tp):  # keep the allocation, change the layout
         for p in _closest_first(divisors(world // t), pp):
-            if (t, p) == (tp, pp):
-                continue
             overrides = [key(name, v) for name, v, now in (("tensor_parallel", t, tp), ("pipeline_parallel", p, pp))
                          if v != now]
-            if "data_parallel" in strategy:
-                overrides.append(key("data_parallel", world // (t * p)))
-            fixes.append((f"keep {nodes} node(s) x {devices} devices", overrides))
-    dp = sizes["data_parallel"]
+            if "data_parallel" in strategy and (overrides or str(dp) != str(world // (t * p))):
+                overrides.append(key("data_parallel", world // (t * p)))  # first: only the DP size changes
+            if overrides:
+                fixes.append((f"keep {nodes} node(s) x {devices} devices", overrides))
     wanted = tp * pp * (int(dp) if str(dp).isdigit() else max(1, world // (tp * pp)))
     per_node = [d for d in divisors(wanted) if d % tp == 0]  # keep the layout, change the allocation
     for d in _closest_first(per_node, devices) if per_node else []:
