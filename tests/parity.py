@@ -114,6 +114,17 @@ def fit_and_record(
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(devices)]
 
 
+def full_parameters(model: torch.nn.Module, mesh: Any) -> dict[str, torch.Tensor]:
+    """Every parameter of ``model`` as one device holds it: tensor-parallel shards gathered over the
+    TP group, the rest detached copies (collective over the TP group when anything is sharded)."""
+    from lightning_parallel.tensor_parallel import gather_full_tensor
+
+    return {
+        n: gather_full_tensor(p, p.tp_shard, mesh) if hasattr(p, "tp_shard") else p.detach().clone()
+        for n, p in model.named_parameters()
+    }
+
+
 def assert_close_series(actual: list[float], expected: list[float], atol: float, rtol: float = 0.0) -> None:
     assert len(actual) == len(expected), (len(actual), len(expected))
     torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), atol=atol, rtol=rtol)

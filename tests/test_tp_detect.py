@@ -18,10 +18,10 @@ from lightning_parallel.tensor_parallel import (
     PlanEntry,
     TensorParallelError,
     detect_plan,
-    gather_full_tensor,
     parallelize,
     parse_plan,
 )
+from parity import full_parameters
 
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
 PARAM_TOL = dict(rtol=1e-4, atol=1e-4)
@@ -112,10 +112,7 @@ def train(name, mesh=None):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    params = {
-        n: (gather_full_tensor(p, p.tp_shard, mesh) if hasattr(p, "tp_shard") else p.detach()).numpy().copy()
-        for n, p in model.named_parameters()
-    }
+    params = {n: p.numpy() for n, p in full_parameters(model, mesh).items()}
     sharded = sum(hasattr(p, "tp_shard") for p in model.parameters())
     return losses, params, sharded
 
@@ -301,10 +298,7 @@ def _litgpt_worker(rank, world):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    params = {
-        n: (gather_full_tensor(p, p.tp_shard, mesh) if hasattr(p, "tp_shard") else p.detach()).numpy().copy()
-        for n, p in model.named_parameters()
-    }
+    params = {n: p.numpy() for n, p in full_parameters(model, mesh).items()}
     return losses, params, model.config.n_head, [n for n, p in model.named_parameters() if hasattr(p, "tp_shard")]
 
 

@@ -30,7 +30,8 @@ from torch.utils.checkpoint import checkpoint
 from distributed import make_mesh, run_distributed
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.models.gpt import Block
-from lightning_parallel.tensor_parallel import TensorParallelError, comm, gather_full_tensor, parallelize
+from lightning_parallel.tensor_parallel import TensorParallelError, comm, parallelize
+from parity import full_parameters
 
 LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
 PARAM_TOL = dict(rtol=1e-4, atol=1e-4)
@@ -50,11 +51,7 @@ def _train(model: nn.Module, loss_fn, mesh=None, plan=None):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    params = {
-        n: gather_full_tensor(p, p.tp_shard, mesh) if hasattr(p, "tp_shard") else p.detach().clone()
-        for n, p in model.named_parameters()
-    }
-    return losses, {n: p.numpy() for n, p in params.items()}
+    return losses, {n: p.numpy() for n, p in full_parameters(model, mesh).items()}
 
 
 def _worker(rank, world, build, loss_fn, plan):

@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from distributed import make_mesh, run_distributed
 from lightning_parallel.models.gpt import GPT
 from lightning_parallel.strategy import ParallelStrategy
-from lightning_parallel.tensor_parallel import gather_full_tensor, parallelize, sync_sequence_parallel_grads
+from lightning_parallel.tensor_parallel import parallelize, sync_sequence_parallel_grads
+from parity import full_parameters
 
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
 PARAM_TOL = dict(rtol=1e-4, atol=1e-4)
@@ -141,11 +142,7 @@ def train(model_name, mesh=None, sequence_parallel=False):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    params = {
-        n: gather_full_tensor(p, p.tp_shard, mesh) if hasattr(p, "tp_shard") else p.detach().clone()
-        for n, p in model.named_parameters()
-    }
-    return losses, params
+    return losses, full_parameters(model, mesh)
 
 
 def _worker(rank, world, model_name, tp, sequence_parallel):
@@ -242,11 +239,7 @@ class Record(Callback):
         self.losses.append(outputs["loss"].item())
 
     def on_train_end(self, trainer, pl_module):
-        mesh = getattr(trainer.strategy, "mesh", None)
-        params = {
-            n: gather_full_tensor(p, p.tp_shard, mesh) if hasattr(p, "tp_shard") else p.detach().clone()
-            for n, p in pl_module.named_parameters()
-        }
+        params = full_parameters(pl_module, getattr(trainer.strategy, "mesh", None))
         if trainer.global_rank == 0:
             torch.save({"losses": self.losses, "params": params}, self.path)
 

@@ -311,27 +311,34 @@ def _check_dataflow(rec: _Recorder, results: list[torch.Tensor], path: str, pre_
           "(intermediate hidden states, as with output_hidden_states, cannot reach the last stage)")
 
 
+def outside_blocks(module: nn.Module, blocks_path: str) -> Iterator[tuple[str, nn.Module, bool]]:
+    """``(name, module, registered after the blocks)`` for each largest parameter-holding submodule
+    outside the block list, in registration order."""
+    seen_blocks = False
+
+    def visit(mod: nn.Module, prefix: str) -> Iterator[tuple[str, nn.Module, bool]]:
+        nonlocal seen_blocks
+        for name, child in mod.named_children():
+            full = prefix + name
+            if full == blocks_path:
+                seen_blocks = True
+            elif blocks_path.startswith(full + "."):
+                yield from visit(child, full + ".")
+            elif any(True for _ in child.parameters()):
+                yield full, child, seen_blocks
+
+    yield from visit(module, "")
+
+
 def _assign(module: nn.Module, path: str, rec: _Recorder) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Each maximal parameter-holding module outside the blocks goes before or after them, by when it ran."""
     pre: list[str] = []
     post: list[str] = []
-    registered_after = False
 
     def phases_of(name: str) -> set[str]:
         return set().union(*(p for n, p in rec.phases.items() if n == name or n.startswith(name + ".")))
 
-    def visit(mod: nn.Module, prefix: str) -> None:
-        nonlocal registered_after
-        for name, child in mod.named_children():
-            full = prefix + name
-            if full == path:
-                registered_after = True
-            elif path.startswith(full + "."):
-                visit(child, full + ".")
-            elif any(True for _ in child.parameters()):
-                place(full, child)
-
-    def place(name: str, child: nn.Module) -> None:
+    def place(name: str, child: nn.Module, registered_after: bool) -> None:
         phases = phases_of(name)
         if BETWEEN in phases:
             raise PipelineIncompatibleModel(
@@ -343,7 +350,7 @@ def _assign(module: nn.Module, path: str, rec: _Recorder) -> tuple[tuple[str, ..
             if name not in rec.phases and any(True for _ in child.children()):  # a container of both kinds
                 for sub, grandchild in child.named_children():
                     if any(True for _ in grandchild.parameters()):
-                        place(f"{name}.{sub}", grandchild)
+                        place(f"{name}.{sub}", grandchild, registered_after)
                 if any(True for _ in child.parameters(recurse=False)):
                     raise PipelineIncompatibleModel(
                         f"{name} holds parameters of its own and children that run both before and after the blocks "
@@ -358,5 +365,6 @@ def _assign(module: nn.Module, path: str, rec: _Recorder) -> tuple[tuple[str, ..
         after = AFTER in phases or (not phases and registered_after)  # a module that never ran keeps its side
         (post if after else pre).append(name)
 
-    visit(module, "")
+    for name, child, registered_after in outside_blocks(module, path):
+        place(name, child, registered_after)
     return tuple(pre), tuple(post)

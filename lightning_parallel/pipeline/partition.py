@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from lightning_parallel.pipeline.errors import PipelineConfigError, PipelineIncompatibleModel
-from lightning_parallel.pipeline.order import RunOrder
+from lightning_parallel.pipeline.order import RunOrder, outside_blocks
 
 
 def find_blocks(module: nn.Module, path: str | None = None) -> tuple[str, nn.Module]:
@@ -47,23 +47,8 @@ def find_blocks(module: nn.Module, path: str | None = None) -> tuple[str, nn.Mod
 
 def outer_modules(module: nn.Module, blocks_path: str) -> tuple[list[str], list[str]]:
     """Names of the largest parameter-holding submodules outside the blocks, registered before / after them."""
-    pre: list[str] = []
-    post: list[str] = []
-    seen_blocks = False
-
-    def visit(mod: nn.Module, prefix: str) -> None:
-        nonlocal seen_blocks
-        for name, child in mod.named_children():
-            full = prefix + name
-            if full == blocks_path:
-                seen_blocks = True
-            elif blocks_path.startswith(full + "."):
-                visit(child, full + ".")
-            elif any(True for _ in child.parameters()):
-                (post if seen_blocks else pre).append(full)
-
-    visit(module, "")
-    return pre, post
+    outside = list(outside_blocks(module, blocks_path))
+    return [n for n, _, after in outside if not after], [n for n, _, after in outside if after]
 
 
 def balance(costs: list[int], parts: int, first_extra: int = 0, last_extra: int = 0) -> list[int]:
