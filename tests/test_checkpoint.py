@@ -144,7 +144,6 @@ def test_tp2_checkpoint_resumes_on_pp2_with_uninterrupted_losses(tmp_path, refer
 @pytest.mark.timeout(90)
 def test_8_rank_checkpoint_resumes_on_2_ranks_with_uninterrupted_losses(tmp_path, reference):
     checkpoint = half_run(tmp_path / "tp2pp2dp2", devices=8, tp=2, pp=2)
-    assert len(list(checkpoint.glob("pp*-tp*.pt"))) == 4  # one file per (stage, shard); replicas write none
     assert_continues(train(tmp_path / "pp2", devices=2, pp=2, ckpt_path=checkpoint), reference)
 
 
@@ -175,12 +174,49 @@ def test_interleaved_pipeline_checkpoint_consolidates_in_single_device_order(tmp
     assert_continues(train(tmp_path / "one", ckpt_path=plain), reference)
 
 
+def checkpoint_before_dcp(plain: Path, folder: Path) -> Path:
+    """The consolidated checkpoint ``plain`` as the format before DCP wrote it for two pipeline stages:
+    ``meta.pt`` and a ``pp<p>-tp000.pt`` per stage with its tensors, layouts, optimizer state by name
+    and order; without completion marker, as written before markers existed."""
+    saved = torch.load(plain, weights_only=False)
+    tensors = saved["state_dict"]
+    names = list(tensors)
+    stages = [names[: len(names) // 2], names[len(names) // 2:]]
+    folder.mkdir(parents=True)
+    for stage, part in enumerate(stages):
+        optimizers = []
+        for optimizer in saved["optimizer_states"]:
+            groups = optimizer["param_groups"]
+            optimizers.append({
+                "state": {n: optimizer["state"][i] for g in groups for i, n in zip(g["params"], g["param_names"])
+                          if n in part and i in optimizer["state"]},
+                "param_groups": [{**{k: v for k, v in g.items() if k not in ("params", "param_names")},
+                                  "params": [n for n in g["param_names"] if n in part]} for g in groups],
+            })
+        torch.save({"tp_rank": 0, "tp_size": 1, "tensors": {n: tensors[n] for n in part},
+                    "layouts": {n: (tuple(tensors[n].shape), None) for n in part}, "optimizers": optimizers,
+                    "order": {n: (stage, i) for i, n in enumerate(part)}}, folder / f"pp{stage:03d}-tp000.pt")
+    meta = {k: v for k, v in saved.items() if k not in ("state_dict", "optimizer_states")}
+    meta["lightning_parallel"] = {"format_version": 1, "layout": {"tensor_parallel": 1, "pipeline_parallel": 2,
+                                                                  "data_parallel": 1}}
+    torch.save(meta, folder / "meta.pt")
+    return folder
+
+
+@pytest.mark.timeout(60)
+def test_checkpoint_in_the_format_before_dcp_still_resumes(tmp_path, tp2pp2_checkpoint, reference):
+    plain = tmp_path / "plain.ckpt"
+    consolidate_main([str(tp2pp2_checkpoint), str(plain)])
+    old = checkpoint_before_dcp(plain, tmp_path / "old.ckpt")
+    assert_continues(train(tmp_path / "dp2", devices=2, ckpt_path=old), reference)
+
+
 def _load_into(rank, world_size, checkpoint, overrides):
     mesh = make_mesh(rank, world_size)
     model = tiny_gpt(**overrides)
     before = {n: p.clone() for n, p in model.state_dict().items()}
     strategy = SimpleNamespace(mesh=mesh, lightning_module=model, pipeline=None, optimizers=[],
-                               broadcast=lambda obj, src=0: obj)
+                               broadcast=lambda obj, src=0: obj, root_device=torch.device("cpu"))
     try:
         load_sharded(strategy, checkpoint)
     except CheckpointMismatchError as err:

@@ -2,9 +2,10 @@
 
 The runs are those of ``test_checkpoint.py`` (the tiny GPT, 6 steps, global batch s at step s) on 2
 fork-started processes, with ``ModelCheckpoint(save_last=True)`` saving every step. A patched
-``torch.save`` strikes one rank during its write of ``last.ckpt`` at step HALF + 1: it writes half
-of the bytes and then either kills its process (SIGKILL, as the OOM killer or a node failure would)
-or raises ``OSError(ENOSPC)``. The ``last.ckpt`` of step HALF must then still be complete, and a run
+``torch.save`` strikes one rank during its write of ``last.ckpt`` at step HALF + 1 (DCP writes each
+chunk with ``torch.save`` into the rank's ``.distcp`` file; the first chunk of the file is struck):
+it writes half of the bytes and then either kills its process (SIGKILL, as the OOM killer or a node
+failure would) or raises ``OSError(ENOSPC)``. The ``last.ckpt`` of step HALF must then still be complete, and a run
 resumed from it (on PP2, whose ranks hold whole tensors to compare) must continue the uninterrupted
 single-device run; the tolerances are those of ``test_checkpoint.py`` (another layout than one
 device: LOSS_TOL, PARAM_TOL). Before the commit protocol of ``atomic.py`` the old ``last.ckpt``
@@ -25,7 +26,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_checkpoint import HALF, assert_continues, half_run, reference, train  # noqa: F401 - reference: fixture
+from test_checkpoint import (  # noqa: F401 - reference: fixture
+    HALF, assert_continues, checkpoint_before_dcp, half_run, reference, train,
+)
 
 from lightning_parallel.checkpoint import IncompleteCheckpointError, consolidate
 from lightning_parallel.checkpoint.atomic import MARKER, PARTIAL, REPLACED, is_complete, remove_checkpoint_dir, staged
@@ -51,10 +54,20 @@ def _strike_on(rank: int, nth: int, target, fault):
     return save
 
 
+_files_written: list = []  # the DCP files this process has written into, kept so that each is told apart
+
+
 def _last_piece(obj, f) -> bool:
-    """A shard file of ``last.ckpt``, wherever it is written (now: ``.lp-staging/last.ckpt.partial``)."""
-    name = Path(f if isinstance(f, (str, os.PathLike)) else getattr(f, "name", "") or "")
-    return name.parent.name.startswith("last.ckpt") and name.name.startswith("pp")
+    """The first chunk DCP writes into a ``.distcp`` file of ``last.ckpt``, wherever that is written
+    (now: ``.lp-staging/last.ckpt.partial``): once per save and rank."""
+    raw = getattr(f, "raw", f)  # DCP hands torch.save a writer around the open file
+    name = Path(getattr(raw, "name", "") or "")
+    if not (name.parent.name.startswith("last.ckpt") and name.suffix == ".distcp"):
+        return False
+    if any(raw is seen for seen in _files_written):
+        return False
+    _files_written.append(raw)
+    return True
 
 
 def _half_then(obj, f):
@@ -180,32 +193,30 @@ def test_folder_without_marker_is_refused_naming_missing_pieces(tmp_path, pp2_ch
     complete = _copy(pp2_checkpoint, tmp_path / "epoch=0-step=2.ckpt")
     broken = _copy(pp2_checkpoint, tmp_path / "epoch=0-step=3.ckpt")
     (broken / MARKER).unlink()
-    (broken / "pp001-tp000.pt").unlink()
+    (broken / "__1_0.distcp").unlink()
     with pytest.raises(SystemExit) as exit_:
         consolidate_main([str(broken), str(tmp_path / "plain.ckpt")])
     assert exit_.value.code == 2
     message = capsys.readouterr().err
-    assert "missing pieces: pp001-tp000.pt" in message and f"resume from {complete}" in message
+    assert "missing pieces: __1_0.distcp" in message and f"resume from {complete}" in message
     assert not (tmp_path / "plain.ckpt").exists()
 
 
 @pytest.mark.timeout(60)
 def test_truncated_piece_is_refused_even_with_marker(tmp_path, pp2_checkpoint):
     broken = _copy(pp2_checkpoint, tmp_path / "last.ckpt")
-    piece = broken / "pp000-tp000.pt"
+    piece = broken / "__0_0.distcp"
     piece.write_bytes(piece.read_bytes()[:100])
-    with pytest.raises(IncompleteCheckpointError, match="pp000-tp000.pt \\(truncated: 100 of"):
+    with pytest.raises(IncompleteCheckpointError, match="__0_0.distcp \\(truncated: 100 of"):
         consolidate(broken)
 
 
 @pytest.mark.timeout(60)
 def test_folder_from_before_markers_loads_only_when_its_layout_is_complete(tmp_path, pp2_checkpoint):
     """Directories saved before completion markers existed: the metadata's layout names the pieces."""
-    old = _copy(pp2_checkpoint, tmp_path / "old.ckpt")
-    (old / MARKER).unlink()
-    meta = torch.load(old / "meta.pt", weights_only=False)
-    del meta["lightning_parallel"]["pieces"]
-    torch.save(meta, old / "meta.pt")
+    plain = tmp_path / "plain.ckpt"
+    consolidate_main([str(pp2_checkpoint), str(plain)])
+    old = checkpoint_before_dcp(plain, tmp_path / "old.ckpt")
     _assert_same_weights(consolidate(old), consolidate(pp2_checkpoint))
     (old / "pp001-tp000.pt").unlink()
     with pytest.raises(IncompleteCheckpointError, match="missing pieces: pp001-tp000.pt"):

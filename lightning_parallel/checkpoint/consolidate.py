@@ -17,14 +17,17 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from lightning_parallel.checkpoint import dcp
+from lightning_parallel.checkpoint.atomic import IncompleteCheckpointError
 from lightning_parallel.checkpoint.format import (
+    Piece,
     full_optimizer_state,
     full_tensor,
     index_optimizer_state,
     unsplit_group_names,
 )
-from lightning_parallel.checkpoint.atomic import IncompleteCheckpointError
 from lightning_parallel.checkpoint.io import META_FILE, checkpoint_to_read, is_sharded_checkpoint, read_checkpoint
 
 
@@ -42,6 +45,8 @@ def consolidate(path: Path) -> dict[str, Any]:
         found = "does not exist" if not path.exists() else f"is a directory without {META_FILE}"
         raise ValueError(f"{path} {found}: give a sharded checkpoint directory, as ModelCheckpoint or "
                          "Trainer.save_checkpoint write them with a split model")
+    if dcp.is_dcp_checkpoint(path):
+        return _consolidate_dcp(path)
     meta, pieces = read_checkpoint(path)
     names = list(dict.fromkeys(n for p in pieces for n in p.tensors))
     checkpoint = {k: v for k, v in meta.items() if k != "lightning_parallel"}
@@ -56,6 +61,36 @@ def consolidate(path: Path) -> dict[str, Any]:
             for group, group_params in zip(plain["param_groups"], group_names, strict=True):
                 group["param_names"] = group_params
             checkpoint["optimizer_states"].append(plain)
+    return checkpoint
+
+
+def _consolidate_dcp(path: Path) -> dict[str, Any]:
+    """``consolidate`` for a checkpoint in DCP format: every tensor read whole, in one process."""
+    meta = torch.load(path / META_FILE, map_location="cpu")
+    metadata = dcp.read_metadata(path)
+    targets = {fqn: dcp.local_target(metadata, fqn, None, 0, 1) for fqn, md in metadata.state_dict_metadata.items()
+               if isinstance(md, TensorStorageMetadata)}
+    objects = [fqn for fqn in metadata.state_dict_metadata if fqn not in targets]
+    objects_read = dcp.read_chunks(path, metadata, targets, objects)
+    values = {**{fqn: local for fqn, (local, _, _) in targets.items()}, **objects_read}
+    checkpoint = {k: v for k, v in meta.items() if k != "lightning_parallel"}
+    checkpoint["state_dict"] = {n: values[n] for n in dcp.tensor_shapes(metadata)}
+    saved_optimizers = meta["lightning_parallel"]["optimizers"]
+    if not saved_optimizers:
+        return checkpoint
+    # what each (stage, TP rank) listed: the place of its parameters in the unsplit model, its groups
+    pieces = [Piece(0, 1, {}, {}, [{"param_groups": [{"params": g} for g in groups]} for groups in info["groups"]],
+                    info["order"])
+              for fqn, info in values.items() if fqn.startswith(dcp.PIECE_PREFIX)]
+    entries = dcp.optimizer_entries(metadata)
+    checkpoint["optimizer_states"] = []
+    for i, saved in enumerate(saved_optimizers):
+        group_names = unsplit_group_names(pieces, i)
+        state = {n: {key: values[fqn] for key, fqn in entries.get((i, n), {}).items()} for g in group_names for n in g}
+        plain = index_optimizer_state(saved, state, group_names)
+        for group, group_params in zip(plain["param_groups"], group_names, strict=True):
+            group["param_names"] = group_params
+        checkpoint["optimizer_states"].append(plain)
     return checkpoint
 
 

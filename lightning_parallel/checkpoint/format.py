@@ -1,6 +1,8 @@
 """What a sharded checkpoint holds and how a tensor moves from one layout to another (pure logic).
 
-A checkpoint is a set of *pieces*. A piece is what one (pipeline rank, TP rank) pair holds: its
+Checkpoints are written in DCP format (``dcp.py``); this module reads the two formats that came
+before it and checks names and shapes for all of them. In the older format (``pp*-tp*.pt`` files)
+a checkpoint is a set of *pieces*. A piece is what one (pipeline rank, TP rank) pair holds: its
 tensors under their GLOBAL names (the names of the unsplit model), each with a layout (global
 shape, and the ``TPShard`` it was cut with or None when replicated), and its optimizer states
 keyed by parameter name. A plain Lightning checkpoint is a single piece of full tensors. Loading
@@ -17,7 +19,7 @@ import torch
 
 from lightning_parallel.tensor_parallel.shard import TPShard, merge_shards, padded_size, slice_shard
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: a ``pp*-tp*.pt`` file per piece; 2: DCP (``dcp.py``)
 Layout = tuple[tuple[int, ...], Optional[TPShard]]
 
 
@@ -51,13 +53,8 @@ def global_shape(local: torch.Size, shard: Optional[TPShard], tp_size: int) -> t
     return tuple(shape)
 
 
-def encode_layout(layout: Layout) -> tuple:
-    """Plain tuples only, so shard files load with ``torch.load(weights_only=True)``."""
-    shape, shard = layout
-    return (tuple(shape), None if shard is None else (shard.dim, shard.fused, shard.full_size))
-
-
 def decode_layout(encoded: tuple) -> Layout:
+    """A layout as a piece file of the format before DCP stores it: plain tuples."""
     shape, shard = encoded
     return (tuple(shape), None if shard is None else TPShard(*shard))
 
@@ -69,6 +66,17 @@ def mismatches(expected: dict[str, tuple[int, ...]], pieces: list[Piece], strict
     A missing name is only a problem when ``strict``; a shape mismatch always is.
     """
     saved = saved_shapes(pieces)
+    problems = shape_mismatches(expected, saved, strict)
+    for name in expected:
+        missing = _missing_tp_ranks(name, pieces) if name in saved else []
+        if missing:
+            problems.append(f"{name}: the checkpoint lacks the shards of TP ranks {missing}")
+    return problems
+
+
+def shape_mismatches(expected: dict[str, tuple[int, ...]], saved: dict[str, tuple[int, ...]],
+                     strict: bool) -> list[str]:
+    """Why the local tensors ``expected`` cannot load from tensors of the global shapes ``saved``."""
     problems = []
     for name, shape in expected.items():
         if name not in saved:
@@ -76,10 +84,6 @@ def mismatches(expected: dict[str, tuple[int, ...]], pieces: list[Piece], strict
                 problems.append(f"{name}: in the model (shape {list(shape)}) but not in the checkpoint")
         elif tuple(saved[name]) != tuple(shape):
             problems.append(f"{name}: shape {list(shape)} in the model but {list(saved[name])} in the checkpoint")
-    for name in expected:
-        missing = _missing_tp_ranks(name, pieces) if name in saved else []
-        if missing:
-            problems.append(f"{name}: the checkpoint lacks the shards of TP ranks {missing}")
     return problems
 
 

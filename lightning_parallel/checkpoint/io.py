@@ -1,12 +1,13 @@
 """Save and load sharded checkpoints from a ``ParallelStrategy`` (every rank calls these).
 
 A checkpoint path becomes a directory: ``meta.pt`` holds what Lightning saves besides weights
-(epoch, global step, loops, callbacks, LR schedulers, hyper-parameters) and the layout it was
-written on; ``pp{p}-tp{t}.pt`` holds the tensors and optimizer state of pipeline rank p and TP
-rank t under global names (written by data-parallel rank 0 only; the replicas are identical).
-Loading reads every piece and reshards it onto the current layout (``format.py``), so a run may
-resume on a different number of processes or a different split. A plain ``.ckpt`` file (one
-device, or ``lp-consolidate``'s output) loads through the same path as a single piece.
+(epoch, global step, loops, callbacks, LR schedulers, hyper-parameters, the optimizers' parameter
+groups) and the layout it was written on; the tensors and optimizer states are in PyTorch
+Distributed Checkpoint format under their global names (``dcp.py``): every rank writes its own
+file in parallel, and on loading reads only the chunks its current layout needs, so a run may
+resume on a different number of processes or a different split. Two older inputs still load: a
+directory of ``pp{p}-tp{t}.pt`` pieces (read whole and resharded by ``format.py``), and a plain
+``.ckpt`` file (one device, or ``lp-consolidate``'s output), read as a single piece.
 
 Saving replaces a directory only once every rank has written its pieces, and loading reads only a
 complete directory (``atomic.py``), so a crash or a full disk during a save never costs the
@@ -21,14 +22,15 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
+from lightning_parallel.checkpoint import dcp
 from lightning_parallel.checkpoint.atomic import MARKER, folder_to_read, save_pieces, write_file
 from lightning_parallel.checkpoint.format import (
     FORMAT_VERSION,
     CheckpointMismatchError,
     Piece,
     decode_layout,
-    encode_layout,
     full_optimizer_state,
     full_tensor,
     global_shape,
@@ -38,6 +40,7 @@ from lightning_parallel.checkpoint.format import (
     mismatches,
     name_optimizer_state,
     saved_shapes,
+    shape_mismatches,
     unexpected,
 )
 from lightning_parallel.data_parallel.zero import configured_param_groups
@@ -51,10 +54,12 @@ def is_sharded_checkpoint(path: Path) -> bool:
 
 def holds_checkpoint_files(path: Path) -> bool:
     """Whether directory ``path`` holds any file of a sharded checkpoint, complete or not."""
-    return any((path / name).is_file() for name in (META_FILE, MARKER)) or any(path.glob("pp*-tp*.pt"))
+    return (any((path / name).is_file() for name in (META_FILE, MARKER, dcp.METADATA))
+            or any(path.glob("pp*-tp*.pt")) or any(path.glob("*.distcp")))
 
 
 def piece_file(pp_rank: int, tp_rank: int) -> str:
+    """The file of pipeline rank p and TP rank t in the format before DCP."""
     return f"pp{pp_rank:03d}-tp{tp_rank:03d}.pt"
 
 
@@ -126,24 +131,17 @@ def save_sharded(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> No
     rest = dict(checkpoint)
     tensors = rest.pop("state_dict")
     optimizer_states = rest.pop("optimizer_states", None)
-
-    def write(folder: Path) -> list[str]:
-        if mesh.dp_rank != 0:
-            return []
-        piece: dict[str, Any] = {
-            "tp_rank": mesh.tp_rank,
-            "tp_size": mesh.tp_size,
-            "tensors": tensors,
-            "layouts": {n: encode_layout(v) for n, v in _layouts(module, tensors, mesh.tp_size).items()},
-            "order": _stage_order(module, strategy.pipeline, names),
-        }
-        if optimizer_states is not None:
-            piece["optimizers"] = [
-                name_optimizer_state(state, _group_names(opt, names))
-                for state, opt in zip(optimizer_states, strategy.optimizers, strict=True)
-            ]
-        write_file(piece, folder / piece_file(mesh.pp_rank, mesh.tp_rank))
-        return [piece_file(mesh.pp_rank, mesh.tp_rank)]
+    named = [] if optimizer_states is None else [
+        name_optimizer_state(state, _group_names(opt, names))
+        for state, opt in zip(optimizer_states, strategy.optimizers, strict=True)
+    ]
+    layouts = _layouts(module, tensors, mesh.tp_size)
+    chunked, objects = dcp.chunked_state(tensors, layouts, named, _parameter_layouts(module, names, layouts),
+                                         mesh.tp_rank, mesh.tp_size)
+    objects[dcp.piece_key(mesh.pp_rank, mesh.tp_rank)] = {
+        "order": _stage_order(module, strategy.pipeline, names),
+        "groups": [[group["params"] for group in n["param_groups"]] for n in named],
+    }
 
     def finish(folder: Path, pieces: list[str]) -> list[str]:
         rest["lightning_parallel"] = {
@@ -151,11 +149,19 @@ def save_sharded(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> No
             "layout": {"tensor_parallel": mesh.tp_size, "pipeline_parallel": mesh.pp_size,
                        "data_parallel": mesh.dp_size},
             "pieces": [META_FILE, *pieces],
+            # hyper-parameters of each group; the state is in the DCP files, by parameter name
+            "optimizers": [{"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in n["param_groups"]]}
+                           for n in named],
         }
         write_file(rest, folder / META_FILE)
         return [META_FILE]
 
-    save_pieces(path, write, finish, strategy.global_rank == 0)
+    save_pieces(path, lambda folder: dcp.save_chunks(folder, chunked, objects), finish, strategy.global_rank == 0)
+
+
+def _parameter_layouts(module: nn.Module, names: dict[int, str], layouts: dict[str, Any]) -> dict[str, Any]:
+    """Layout of every local parameter by the name its optimizer state goes by."""
+    return {names[id(p)]: layouts[local_name] for local_name, p in module.named_parameters()}
 
 
 # ---- read ------------------------------------------------------------------------------------
@@ -186,7 +192,8 @@ def checkpoint_to_read(path: Path, weights_only: Optional[bool] = None) -> Path:
 
 
 def read_checkpoint(path: Path, weights_only: Optional[bool] = None) -> tuple[dict[str, Any], list[Piece]]:
-    """The Lightning metadata and the pieces of a sharded directory or a plain checkpoint file.
+    """The Lightning metadata and the pieces of a directory in the format before DCP, or of a plain
+    checkpoint file.
 
     Shard files are memory-mapped, so a rank only reads the bytes of the tensors it needs.
     """
@@ -246,42 +253,105 @@ def load_sharded(strategy: Any, filepath: Any, weights_only: Optional[bool] = No
     raise ``CheckpointMismatchError`` listing each parameter, and nothing is loaded.
     """
     path = checkpoint_to_read(Path(strategy.broadcast(str(filepath))), weights_only)
-    mesh, module = strategy.mesh, strategy.lightning_module
-    meta, pieces = read_checkpoint(path, weights_only)
+    mesh, module, device = strategy.mesh, strategy.lightning_module, strategy.root_device
     names = parameter_names(module, strategy.pipeline, mesh)
     local_names = [_group_names(opt, names) for opt in strategy.optimizers]
-    plain_with_optimizers = not is_sharded_checkpoint(path) and strategy.optimizers
-    problems = _name_plain_optimizers(pieces[0], local_names) if plain_with_optimizers else []
-
     local = module.state_dict(keep_vars=True)
     layouts = _layouts(module, local, mesh.tp_size)
     expected = {n: shape for n, (shape, _) in layouts.items()}
-    problems += mismatches(expected, pieces, module.strict_loading)
-    held: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(held, sorted(expected))
+
+    if dcp.is_dcp_checkpoint(path):
+        meta = torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)
+        metadata = dcp.read_metadata(path)
+        saved = dcp.tensor_shapes(metadata)
+        saved_optimizers = meta["lightning_parallel"]["optimizers"]
+        problems = shape_mismatches(expected, saved, module.strict_loading)
+        problems += dcp.incomplete_tensors(metadata, [n for n in expected if n in saved])
+    else:
+        meta, pieces = read_checkpoint(path, weights_only)
+        plain_with_optimizers = not is_sharded_checkpoint(path) and strategy.optimizers
+        problems = _name_plain_optimizers(pieces[0], local_names) if plain_with_optimizers else []
+        saved, saved_optimizers = saved_shapes(pieces), pieces[0].optimizers
+        problems += mismatches(expected, pieces, module.strict_loading)
     if module.strict_loading:
-        problems += unexpected(saved_shapes(pieces), {n for names_of_rank in held for n in names_of_rank})
-    problems += _optimizer_mismatches(pieces[0].optimizers, local_names)
+        problems += unexpected(saved, _held_anywhere(list(saved), set(expected), device))
+    problems += _optimizer_mismatches(saved_optimizers, local_names)
+    _agree_on_problems(problems, path, device)
+
+    tp_rank, tp_size = mesh.tp_rank, mesh.tp_size
+    param_layouts = _parameter_layouts(module, names, layouts)
+    with_optimizers = bool(strategy.optimizers and saved_optimizers)
+    if dcp.is_dcp_checkpoint(path):
+        state_dict, optimizer_states = _read_dcp(path, metadata, strategy, [n for n in local if n in saved], layouts,
+                                                 param_layouts, local_names if with_optimizers else [],
+                                                 saved_optimizers)
+    else:
+        state_dict = {
+            n: local_tensor(full_tensor(n, pieces), layouts[n][1], tp_rank, tp_size) for n in local if n in saved
+        }
+        saved_layouts = {n: layout for p in pieces for n, layout in p.layouts.items()}
+        optimizer_states = [
+            _local_optimizer(i, pieces, group_names, param_layouts, saved_layouts, tp_rank, tp_size)
+            for i, group_names in enumerate(local_names if with_optimizers else [])
+        ]
+    checkpoint = {**meta, "state_dict": state_dict}
+    if with_optimizers:
+        checkpoint["optimizer_states"] = optimizer_states
+    return checkpoint
+
+
+def _held_anywhere(saved: list[str], mine: set[str], device: torch.device) -> set[str]:
+    """The ``saved`` names that some rank holds: one flag per name, reduced over the world (every rank
+    lists ``saved`` in the same order, so no name is sent)."""
+    flags = torch.tensor([name in mine for name in saved], dtype=torch.int32, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return {name for name, held in zip(saved, flags.tolist()) if held}
+
+
+def _agree_on_problems(problems: list[str], path: Path, device: torch.device) -> None:
+    """Raise ``CheckpointMismatchError`` on every rank if any rank found a problem, listing them all.
+
+    A count is reduced first; the messages travel only when there are some.
+    """
+    count = torch.tensor([len(problems)], device=device)
+    dist.all_reduce(count)
+    if not count.item():
+        return
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, problems)
     found = sorted({p for rank_problems in everyone for p in rank_problems})
-    if found:
-        raise CheckpointMismatchError(f"checkpoint {path} does not fit the model:\n  " + "\n  ".join(found))
+    raise CheckpointMismatchError(f"checkpoint {path} does not fit the model:\n  " + "\n  ".join(found))
 
+
+def _read_dcp(path: Path, metadata: Any, strategy: Any, tensor_names: list[str], layouts: dict[str, Any],
+              param_layouts: dict[str, Any], local_names: list[list[list[str]]],
+              saved_optimizers: list[dict[str, Any]]) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """This rank's tensors and the torch state dict of each optimizer, read from the chunks it needs."""
+    mesh = strategy.mesh
     tp_rank, tp_size = mesh.tp_rank, mesh.tp_size
-    saved = saved_shapes(pieces)
-    state_dict = {
-        n: local_tensor(full_tensor(n, pieces), layouts[n][1], tp_rank, tp_size) for n in local if n in saved
-    }
-    checkpoint = {**meta, "state_dict": state_dict}
-    if strategy.optimizers and pieces[0].optimizers:
-        by_name = {names[id(p)]: layouts[local_name] for local_name, p in module.named_parameters()}
-        saved_layouts = {n: layout for p in pieces for n, layout in p.layouts.items()}
-        checkpoint["optimizer_states"] = [
-            _local_optimizer(i, pieces, group_names, by_name, saved_layouts, tp_rank, tp_size)
-            for i, group_names in enumerate(local_names)
-        ]
-    return checkpoint
+    targets = {n: dcp.local_target(metadata, n, layouts[n], tp_rank, tp_size) for n in tensor_names}
+    state_dict = {n: targets[n][0] for n in tensor_names}
+    entries = dcp.optimizer_entries(metadata)
+    states: list[dict[str, dict[str, Any]]] = []
+    objects: list[tuple[dict[str, Any], str, str]] = []  # (state, key, DCP key) of non-tensor values
+    for index, group_names in enumerate(local_names):
+        state: dict[str, dict[str, Any]] = {}
+        for name in (n for group in group_names for n in group):
+            for key, fqn in entries.get((index, name), {}).items():
+                entry = state.setdefault(name, {})
+                if isinstance(metadata.state_dict_metadata[fqn], BytesStorageMetadata):
+                    objects.append((entry, key, fqn))
+                else:
+                    targets[fqn] = dcp.local_target(metadata, fqn, param_layouts[name], tp_rank, tp_size)
+                    entry[key] = targets[fqn][0]
+        states.append(state)
+    group = mesh.dp_group if mesh.dp_size > 1 else None
+    values = dcp.read_chunks(path, metadata, targets, [fqn for _, _, fqn in objects], group, strategy.root_device)
+    for entry, key, fqn in objects:
+        entry[key] = values[fqn]
+    optimizer_states = [index_optimizer_state(saved_optimizers[i], state, local_names[i])
+                        for i, state in enumerate(states)]
+    return state_dict, optimizer_states
 
 
 def _optimizer_mismatches(saved: list[dict[str, Any]], local_names: list[list[list[str]]]) -> list[str]:
