@@ -8,6 +8,10 @@ out the interpreter and libraries every process carries.
 
 Run: ``python benchmarks/3d.py [--steps 12] [--repeats 3]``. On 2 CPU cores 8 processes contend
 for time, so compare layouts with each other, not with a GPU cluster.
+
+``python benchmarks/3d.py --overlap`` instead times DP2 x PP2 (4 processes) with each stage's
+data-parallel all-reduce started inside its last backward (the default) and with every bucket
+reduced only after the pipeline step (the previous behaviour), paired repeat by repeat.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import os
 import statistics
 import tempfile
 import time
+from contextlib import contextmanager, nullcontext
 
 import lightning as L
 import torch
@@ -24,6 +29,7 @@ from torch.utils.data import DataLoader
 
 from lightning_parallel import ParallelStrategy
 from lightning_parallel.data.text import TextDataModule
+from lightning_parallel.gradients import GradientFinalizer
 from lightning_parallel.models.gpt import GPT
 
 LAYOUTS = [  # (dp, tp, pp)
@@ -61,8 +67,20 @@ def _status_kib(field: str) -> int:
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field))
 
 
+@contextmanager
+def without_overlap():
+    """Reduce every data-parallel bucket after the pipeline step (forked workers inherit the patch)."""
+    overlapped = GradientFinalizer.overlapped
+    GradientFinalizer.overlapped = lambda self, window_ends: nullcontext()
+    try:
+        yield
+    finally:
+        GradientFinalizer.overlapped = overlapped
+
+
 def run_layout(dp: int, tp: int, pp: int, steps: int, warmup: int, global_batch: int, zero: int) -> tuple:
     L.seed_everything(0, verbose=False)
+    devices = dp * tp * pp
     data = TextDataModule(batch_size=global_batch // dp, block_size=64)
     data.setup("fit")
     loader = DataLoader(data.train_dataloader().dataset, batch_size=global_batch // dp, shuffle=True)
@@ -70,11 +88,11 @@ def run_layout(dp: int, tp: int, pp: int, steps: int, warmup: int, global_batch:
                                 micro_batches=4 if pp > 1 else None, zero_stage=zero if dp > 1 else 0,
                                 start_method="fork")
     with tempfile.TemporaryDirectory() as out_dir:
-        trainer = L.Trainer(accelerator="cpu", devices=8, strategy=strategy, max_steps=steps, logger=False,
+        trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             limit_val_batches=0, callbacks=[Probe(warmup, out_dir)])
         trainer.fit(GPT(), loader)
-        per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(8)]
+        per_rank = [torch.load(os.path.join(out_dir, f"{r}.pt")) for r in range(devices)]
     return per_rank[0][0], max(s for _, s, _ in per_rank), max(h for _, _, h in per_rank)
 
 
@@ -85,7 +103,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--zero", type=int, default=0, help="ZeRO stage for layouts with dp > 1")
+    parser.add_argument("--overlap", action="store_true", help="DP2 x PP2 with and without the overlapped DP reduction")
     args = parser.parse_args()
+    if args.overlap:
+        return compare_overlap(args)
     results = {layout: [] for layout in LAYOUTS}
     for _ in range(args.repeats):
         for layout in LAYOUTS:
@@ -100,6 +121,21 @@ def main() -> None:
         hwm = statistics.median(r[2] for r in runs)
         name = f"DP{dp} TP{tp} PP{pp}"
         print(f"{name:<16} {rate:>8.2f} {rate / base:>6.2f}x {state / 2**20:>14.2f} MiB {hwm / 2**20:>17.1f} MiB")
+
+
+def compare_overlap(args) -> None:
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(args.repeats):
+        for overlap in (True, False):
+            with nullcontext() if overlap else without_overlap():
+                rates[overlap].append(run_layout(2, 1, 2, args.steps, args.warmup, args.global_batch, args.zero)[0])
+    ratios = [a / b for a, b in zip(rates[True], rates[False])]
+    print(f"\nDP2 x PP2 (4 processes), global batch {args.global_batch} x 64 tokens, 4 micro-batches, "
+          f"ZeRO-{args.zero}, median of {args.repeats}")
+    for overlap in (True, False):
+        label = "overlapped with the flush" if overlap else "after the pipeline step"
+        print(f"DP reduction {label:<27} {statistics.median(rates[overlap]):>6.2f} steps/s")
+    print(f"ratio overlapped / after: {statistics.median(ratios):.3f}x (min {min(ratios):.3f}, max {max(ratios):.3f})")
 
 
 if __name__ == "__main__":

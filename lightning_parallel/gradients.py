@@ -7,10 +7,12 @@ under pipeline parallelism, after the window's last backward otherwise). The ord
 1. **weights tied between pipeline stages** (embedding and head): their gradients are summed over
    the stages that share them. First, because every stage holds the whole gradient only now;
    ZeRO-1 keeps just a slice of it after step 2.
-2. **data parallelism**: gradients are averaged over the data-parallel group. Without a pipeline
-   the bucketed all-reduces were launched during backward and are only awaited here (``finish``);
-   a pipeline ran every micro-batch's backward under ``no_sync``, so the buckets are reduced now
-   (``sync_now``). With ZeRO-1 this is a reduce-scatter.
+2. **data parallelism**: gradients are averaged over the data-parallel group. The bucketed
+   all-reduces were launched during backward and are only awaited here (``finish``). A pipeline
+   runs every micro-batch's backward under ``no_sync`` except, at the end of the window, the last
+   one of each stage (``overlapped``): its buckets start while the other stages drain the
+   pipeline. Weights several stages share wait for step 1 and are launched here. With ZeRO-1 this
+   is a reduce-scatter.
 3. **ZeRO-1**: each rank's averaged slice becomes the gradient of the optimizer's piece
    (Rajbhandari et al. 2020, stage 1).
 4. **sequence-parallel norms**: norm weights see only their sequence shard under sequence
@@ -24,7 +26,8 @@ gradients; the order matters only because of ZeRO-1's slicing.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from contextlib import contextmanager, nullcontext
+from typing import Any, Iterator, Optional
 
 from torch import nn
 
@@ -56,16 +59,40 @@ class GradientFinalizer:
         self.module, self.pipeline, self.grad_sync, self.zero = module, pipeline, grad_sync, zero
         self.sequence_parallel_mesh = sequence_parallel_mesh
 
+    @contextmanager
+    def overlapped(self, window_ends: bool) -> Iterator[None]:
+        """Around a pipelined training step: when the step ends the accumulation window, each stage's
+        last backward launches its data-parallel buckets (``GradientSynchronizer.syncing``)."""
+        if self.pipeline is None or self.grad_sync is None or not window_ends:
+            yield
+            return
+        sync = self.grad_sync
+        self.pipeline.final_weight_context = lambda stage: sync.syncing()
+        try:
+            yield
+        finally:
+            self.pipeline.final_weight_context = lambda stage: nullcontext()
+
     def __call__(self) -> None:
         if self.pipeline is not None:
             self.pipeline.sync_tied_grads()
         if self.grad_sync is not None:
-            if self.pipeline is not None:
-                self.grad_sync.sync_now()
-            else:
-                self.grad_sync.finish()
+            self.grad_sync.finish()
         if self.zero is not None:
             self.zero.attach_grads()
         if self.sequence_parallel_mesh is not None:
             holder = self.module if self.zero is None else self.zero.holder
             sync_sequence_parallel_grads(holder, self.sequence_parallel_mesh)
+
+
+def shared_across_stages(module: nn.Module, pipeline: Any) -> list[nn.Parameter]:
+    """Local parameters whose gradient is not final after one stage's last backward: those tied
+    across pipeline ranks, those of modules on several of this rank's stages, and those of no stage."""
+    stages_of: dict[int, set[int]] = {}
+    local = set(pipeline.plan.stages_of_rank(pipeline.mesh.pp_rank))
+    for module_name, stage in pipeline.plan.module_stages().items():
+        if stage in local:
+            for p in module.get_submodule(module_name).parameters():
+                stages_of.setdefault(id(p), set()).add(stage)
+    tied = {id(p) for p, _, _ in pipeline.tied}
+    return [p for p in module.parameters() if id(p) in tied or len(stages_of.get(id(p), ())) != 1]

@@ -145,9 +145,11 @@ def check_model(
     pipeline_blocks: str | None = None,
     virtual_stages: int = 1,
     pipeline_layout: list[int] | None = None,
+    placement: str = "loop",
 ) -> tuple[list[Assignment], StagePlan | None]:
-    """The TP assignments and pipeline stages of ``model`` on ``mesh``; refuses sizes the model
-    does not divide, naming the sizes that would work. Works on a model built on the meta device."""
+    """The TP assignments and pipeline stages of ``model`` on ``mesh`` (stages placed on ranks by
+    ``placement``, see ``pipeline.placement``); refuses sizes the model does not divide, naming the
+    sizes that would work. Works on a model built on the meta device."""
     assignments: list[Assignment] = []
     if mesh.tp_size > 1:
         try:
@@ -168,7 +170,8 @@ def check_model(
             return assignments, None
         raise LaunchConfigError(f"{err}; or train without pipelining:\n    strategy.pipeline_parallel=1") from None
     try:
-        stages = plan_stages(model, mesh.pp_size, virtual_stages, pipeline_blocks, pipeline_layout)
+        stages = plan_stages(model, mesh.pp_size, virtual_stages, pipeline_blocks, pipeline_layout,
+                             placement=placement)
     except PipelineConfigError as err:
         if pipeline_layout is not None:  # the message already gives a layout that works
             raise LaunchConfigError(str(err)) from None
@@ -227,6 +230,7 @@ def validate_launch(
     pipeline_blocks: str | None = None,
     virtual_stages: int = 1,
     pipeline_layout: list[int] | None = None,
+    placement: str = "loop",
     automatic_optimization: bool = True,
     loss_scaler: bool = False,
 ) -> ParallelMesh:
@@ -237,7 +241,7 @@ def validate_launch(
         num_nodes, devices_per_node: the Trainer's ``num_nodes`` and ``devices``.
         model: when given, also check that it splits into the TP and PP sizes, with the strategy's
             ``tp_plan``, ``sequence_parallel``, ``pipeline_blocks``, ``virtual_stages`` and
-            ``pipeline_layout``, and that it trains in a way the pipeline runs (``automatic_optimization``,
+            ``pipeline_layout`` (stages placed by ``placement``), and that it trains in a way the pipeline runs (``automatic_optimization``,
             no ``loss_scaler``).
 
     Returns the mesh (sizes only; no process groups). Raises ``LaunchConfigError``.
@@ -246,5 +250,6 @@ def validate_launch(
     mesh = check_layout(mesh_sizes, num_nodes, devices_per_node)
     if model is not None:
         check_training_mode(model, mesh.pp_size, automatic_optimization, loss_scaler)
-        check_model(model, mesh, tp_plan, sequence_parallel, pipeline_blocks, virtual_stages, pipeline_layout)
+        check_model(model, mesh, tp_plan, sequence_parallel, pipeline_blocks, virtual_stages, pipeline_layout,
+                    placement)
     return mesh

@@ -136,7 +136,7 @@ def _refusing(rank, world):
     engines, partition = [], PipelineEngine.partition
     PipelineEngine.partition = lambda self, *args: (engines.append(self), partition(self, *args))[1]
     result = train_pipeline(make_mesh(rank, world, pp=world), refusing_gpt, batches(), 4, "1f1b")
-    return result, engines[0].input_grad_first
+    return result, engines[0].split_backward
 
 
 @pytest.mark.timeout(60)

@@ -19,6 +19,14 @@ no replica touched keeps ``grad=None``, exactly as on one device, so optimizers 
 all buckets are read to the host once per step, together, in ``finish()``: the only device->host
 synchronisation of the synchroniser.
 
+Under pipeline parallelism every micro-batch's backward runs inside ``no_sync()``; ``syncing()``
+re-enables the hooks around the backward that produces a stage's final gradients (the last one of
+the step for that stage), so the stage's buckets are reduced while the other stages finish their
+cool-down, as Megatron-LM overlaps the gradient reduction with the pipeline flush (Narayanan et al.
+2021, arXiv 2104.04473 §4.2). ``deferred`` parameters (weights tied across stages, summed over
+the stages before they are averaged) are never marked ready by a hook; they are laid out in the
+buckets launched last, so they hold back no other bucket, and ``finish()`` launches those.
+
 With ``shard=True`` (ZeRO stage 1, Rajbhandari et al. 2020, arXiv 1910.02054) a bucket is
 reduce-scattered instead: each rank receives the averaged gradient of its own ``1/dp`` slice only,
 which is all its optimizer shard needs (see ``zero.py``).
@@ -70,18 +78,23 @@ class GradientSynchronizer:
 
     Use: backward as usual (hooks launch buckets as they fill), then ``finish()`` before the
     optimizer step. Inside ``no_sync()`` backward only accumulates, as for gradient accumulation.
+    ``deferred``: parameters whose gradient changes after their last backward (see the module docstring).
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], group, bucket_size_mb: float = 25.0, shard: bool = False):
+    def __init__(self, params: list[torch.nn.Parameter], group, bucket_size_mb: float = 25.0, shard: bool = False,
+                 deferred: list[torch.nn.Parameter] = ()):
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.shard = shard
         self.enabled = True
+        self._deferred = {id(p) for p in deferred}
         self.buckets: list[_Bucket] = []
         self._where: dict[torch.nn.Parameter, tuple[_Bucket, int]] = {}
         self._next = 0  # first bucket not yet launched
         params = [p for p in params if p.requires_grad]
+        # buckets are filled from the end of the list: deferred parameters first puts them in the last buckets
+        params = [p for p in params if id(p) in self._deferred] + [p for p in params if id(p) not in self._deferred]
         if not params:
             self._hooks = []
             return
@@ -103,7 +116,7 @@ class GradientSynchronizer:
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         bucket, i = self._where[param]
         self._adopt(bucket, i)
-        if self.enabled:
+        if self.enabled and id(param) not in self._deferred:
             self._mark_ready(bucket, i)
             self._launch_ready()
 
@@ -155,6 +168,15 @@ class GradientSynchronizer:
         finally:
             self.enabled = previous
 
+    @contextmanager
+    def syncing(self) -> Iterator[None]:
+        """Inside ``no_sync()``: let this backward mark its parameters ready and launch full buckets."""
+        previous, self.enabled = self.enabled, True
+        try:
+            yield
+        finally:
+            self.enabled = previous
+
     def finish(self) -> None:
         """Launch what backward did not, wait for every bucket, and average the gradients.
 
@@ -181,11 +203,6 @@ class GradientSynchronizer:
                 p.grad = view if used and not self.shard else None
             bucket.reset()
         self._next = 0
-
-    def sync_now(self) -> None:
-        """Average the gradients the parameters hold now, all produced under ``no_sync`` (the
-        pipeline's micro-batches): the same as ``finish()``, which launches every bucket itself."""
-        self.finish()
 
     def remove(self) -> None:
         for h in self._hooks:

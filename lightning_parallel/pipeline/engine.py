@@ -5,16 +5,20 @@ the optimizers exist; the example batch shows in which order the model's modules
 ``order``), then ``training_step`` / ``validation_step`` / ... per batch, and
 ``sync_tied_grads`` before clipping and the optimizer step. Each training step splits the batch
 into micro-batches (fewer when the batch has fewer samples) and executes this rank's action list
-from ``schedules`` (GPipe, 1F1B or interleaved 1F1B). Forwards draw random numbers from the stage's
+from ``schedules`` (GPipe, 1F1B, interleaved 1F1B, or ZB-H1, ZB-V and DualPipeV of
+``zero_bubble``). Forwards draw random numbers from the stage's
 own stream (``randomness``). A forward action calls the user's own ``training_step`` on the micro-batch; the
 stand-ins of ``stage_modules`` make it compute only this stage's blocks and stop at the stage
 boundary. A backward action back-propagates the received gradient (or, on the last stage, the
 loss scaled once by ``loss_scale`` times the micro-batch's share of the batch). After a forward
 output is sent its storage is released, keeping only the autograd graph (Megatron-LM's
 ``deallocate_output_tensor``), and backward then runs through the autograd engine directly. The
-hidden-state receives of the next exchange are posted as soon as their shapes are known (``p2p``),
-and a rank's last backward sends its input gradient before computing its weight gradients
-(``_backward``), which shortens the flush at the end of the step.
+hidden-state receives of the next exchange are posted as soon as their shapes are known (``p2p``).
+Where the schedule has a weight pass ``W`` for a micro-batch, its backward ``B`` computes only the
+input gradient and ``W`` the weight gradients, nothing twice (``backward_split``); schedules
+without weight passes get one for the rank's last backward, so its input gradient leaves before
+its weight gradients are computed. Neighbouring stages on one rank (the bottom of a V) hand the
+hidden state and its gradient over in memory.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from contextlib import nullcontext
-from typing import Any, Callable, Optional
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,6 +34,7 @@ from torch import nn
 
 from lightning_parallel.compat import autograd_engine
 from lightning_parallel.mesh import ParallelMesh
+from lightning_parallel.pipeline.backward_split import SplitUnsupported, backward_input
 from lightning_parallel.pipeline.broadcast import broadcast_object
 from lightning_parallel.pipeline.errors import PipelineConfigError, PipelineIncompatibleModel
 from lightning_parallel.pipeline.isolation import untouched
@@ -40,14 +45,14 @@ from lightning_parallel.pipeline.microbatch import signature, split_batch
 from lightning_parallel.pipeline.order import RunOrder, trace_run_order, traced_conditions
 from lightning_parallel.pipeline.p2p import StageLink
 from lightning_parallel.pipeline.partition import plan_stages, shared_parameters
+from lightning_parallel.pipeline.placement import placement_of
 from lightning_parallel.pipeline.schedules import (
     SCHEDULES,
-    all_ranks,
     communication_runs,
-    last_input_backward,
+    defer_last_weight_pass,
     schedule_forward_only,
     send_completion_points,
-    validate,
+    validate_schedule,
 )
 from lightning_parallel.pipeline.randomness import StageRandomness
 from lightning_parallel.pipeline.simulator import Interval
@@ -72,6 +77,31 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
                                                       atol=1e-3 if low else 1e-5)
 
 
+@dataclasses.dataclass
+class _Step:
+    """What one step's actions share, keyed by (micro-batch, stage) unless said otherwise."""
+
+    micro: list
+    weights: list[float]  # each micro-batch's share of the batch
+    step_fn: Callable
+    step_args: tuple
+    loss_scale: Optional[float]  # None outside training
+    split: set  # backwards whose weight gradients a W computes
+    inputs: dict = dataclasses.field(default_factory=dict)  # received hidden states
+    conventions: dict = dataclasses.field(default_factory=dict)
+    outputs: dict = dataclasses.field(default_factory=dict)  # kept for backward (storage released after send)
+    out_meta: dict = dataclasses.field(default_factory=dict)
+    grads: dict = dataclasses.field(default_factory=dict)  # gradients of the outputs, received
+    input_grads: dict = dataclasses.field(default_factory=dict)
+    weight_passes: dict = dataclasses.field(default_factory=dict)  # left by a B for its W
+    results: dict = dataclasses.field(default_factory=dict)  # mb -> the user's step's return on the last stage
+    sending: dict = dataclasses.field(default_factory=dict)  # action index of a send -> (works, bytes kept alive)
+
+    @property
+    def training(self) -> bool:
+        return self.loss_scale is not None
+
+
 class PipelineEngine:
     """Pipeline execution of ``module`` over the pipeline group of ``mesh``.
 
@@ -79,8 +109,8 @@ class PipelineEngine:
         module: the LightningModule, identical on every rank until ``partition()``.
         mesh: the process mesh; its groups must exist before ``partition()``.
         micro_batches: micro-batches per step (each batch is split along dim 0).
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``.
-        virtual_stages: model chunks per rank (interleaved_1f1b only).
+        schedule: one of ``schedules.SCHEDULES``.
+        virtual_stages: model chunks per rank (interleaved_1f1b; 2 for zbv and dualpipev).
         blocks: path of the block list (e.g. ``"model.layers"``); found automatically if None.
         layout: blocks per stage (``pipeline_parallel x virtual_stages`` entries); balanced by
             parameter count if None.
@@ -102,9 +132,9 @@ class PipelineEngine:
             raise PipelineConfigError(f"micro_batches must be a positive integer, got {micro_batches!r}")
         self.module, self.mesh = module, mesh
         self.micro_batches, self.schedule_name, self.virtual_stages = micro_batches, schedule, virtual_stages
-        validate(all_ranks(schedule, mesh.pp_size, micro_batches, virtual_stages), micro_batches)
-        self.layout = layout
-        self.plan = plan_stages(module, mesh.pp_size, virtual_stages, blocks, layout)
+        validate_schedule(schedule, mesh.pp_size, micro_batches, virtual_stages)
+        self.layout, self.placement = layout, placement_of(schedule)
+        self.plan = plan_stages(module, mesh.pp_size, virtual_stages, blocks, layout, placement=self.placement)
         self.runtime = StageRuntime()
         self.capture = LogCapture(module)
         self.tied: list[tuple[nn.Parameter, Any, tuple[int, ...]]] = []
@@ -112,7 +142,12 @@ class PipelineEngine:
         self.timeline: Optional[list[Interval]] = None
         self.link: Optional[StageLink] = None
         self.randomness: Optional[StageRandomness] = None
-        self.input_grad_first = True  # see _backward
+        self.split_backward = True  # see _backward
+        # entered, with the stage, around the action that last adds to the weight gradients of each of
+        # this rank's stages in a training step (its last W or whole B), for overlapping the data-parallel
+        # reduction of those gradients with the rest of the step; a weight two local stages share (a tied
+        # embedding in a V) gets its last addition in the later of the two
+        self.final_weight_context: Callable[[int], ContextManager] = lambda stage: nullcontext()
         self._schedules: dict[tuple[int, bool], tuple] = {}
 
     # ---- setup -----------------------------------------------------------------------------
@@ -137,14 +172,15 @@ class PipelineEngine:
             order = self._trace(micro, step_fn, on_meta)
             if order is not None:
                 self.plan = plan_stages(self.module, mesh.pp_size, self.virtual_stages, self.plan.blocks_path,
-                                        self.layout, order)
+                                        self.layout, order, self.placement)
         shared = shared_parameters(self.module, self.plan)
         params = dict(self.module.named_parameters())
         groups = mesh.stage_groups([ranks for _, ranks in shared])  # this pipeline's ranks only
         self.tied.extend((params[name], groups[ranks], ranks) for name, ranks in shared if rank in ranks)
         apply_stage_plan(self.module, self.plan, rank, self.runtime)
         device = next(self.module.parameters()).device
-        self.link = StageLink(lambda s: mesh.stage_rank(s % mesh.pp_size), self.plan.num_stages, mesh.pp_group, device)
+        plan = self.plan
+        self.link = StageLink(lambda s: mesh.stage_rank(plan.rank_of_stage(s)), plan.num_stages, mesh.pp_group, device)
         self._seed = torch.initial_seed()
         if order is not None:
             with meta_device(self.module, on_meta):
@@ -218,7 +254,9 @@ class PipelineEngine:
 
     def _schedule(self, micro_batches: int, training: bool) -> tuple:
         """This rank's actions for a step of ``micro_batches``, with the points where its sends are known
-        delivered and can be freed, its runs of communication actions and its last input backward."""
+        delivered and can be freed, its runs of communication actions, and for each of its stages the
+        index of the action that last adds to its weight gradients when backwards are split (the last
+        W, or the last B where the schedule has no W for it) and when they are not (the last B)."""
         key = (micro_batches, training)
         if key not in self._schedules:
             mesh, rank = self.mesh, self.mesh.pp_rank
@@ -229,12 +267,24 @@ class PipelineEngine:
                         f"{self.micro_batches}) cannot run interleaved_1f1b, which needs a multiple of the "
                         f"{mesh.pp_size} stages; use DataLoader(drop_last=True) or schedule='1f1b'"
                     )
-                every = all_ranks(self.schedule_name, mesh.pp_size, micro_batches, self.virtual_stages)
+                if self.schedule_name == "dualpipev" and micro_batches < 2 * mesh.pp_size:
+                    raise PipelineConfigError(
+                        f"a batch split into {micro_batches} micro-batches (fewer samples than micro_batches="
+                        f"{self.micro_batches}) cannot run dualpipev, which needs at least 2 x {mesh.pp_size} "
+                        "stages; use DataLoader(drop_last=True) or schedule='zbv'"
+                    )
+                every = validate_schedule(self.schedule_name, mesh.pp_size, micro_batches, self.virtual_stages)
+                every = [defer_last_weight_pass(acts) for acts in every]
             else:
-                every = [schedule_forward_only(mesh.pp_size, micro_batches, r, self.virtual_stages)
+                every = [schedule_forward_only(mesh.pp_size, micro_batches, r, self.virtual_stages, self.placement)
                          for r in range(mesh.pp_size)]
-            self._schedules[key] = (every[rank], send_completion_points(every)[rank], communication_runs(every[rank]),
-                                    last_input_backward(every[rank]) if training else None)
+            mine = every[rank]
+            split = {(a.microbatch, a.stage) for a in mine if a.op == "W"}
+            last_b = {a.stage: i for i, a in enumerate(mine) if a.op == "B"}
+            last_w = {a.stage: i for i, a in enumerate(mine)
+                      if a.op == "W" or (a.op == "B" and (a.microbatch, a.stage) not in split)}
+            finals = ({i: s for s, i in last_w.items()}, {i: s for s, i in last_b.items()})
+            self._schedules[key] = (mine, send_completion_points(every)[rank], communication_runs(mine), finals)
         return self._schedules[key]
 
     # ---- the strategy's calls ---------------------------------------------------------------
@@ -282,18 +332,11 @@ class PipelineEngine:
         # equal on every stage, which all see the same batch: micro-batches with one key give one shape
         keys = [(w, signature(m), training) for w, m in zip(weights, micro)]
         self.link.new_step()
-        last = self.plan.num_stages - 1
-        inputs: dict = {}  # (mb, stage) -> received hidden state
-        conventions: dict = {}
-        outputs: dict = {}  # (mb, stage) -> output kept for backward (storage released after send)
-        out_meta: dict = {}
-        grads: dict = {}  # (mb, stage) -> gradient of the output, received
-        input_grads: dict = {}
-        results: dict = {}  # mb -> what the user's step returned on the last stage
-        actions, delivered_by, runs, split_at = schedule
-        weight_pass = None  # the rest of the step's last backward, run after its input gradient is sent
+        actions, delivered_by, runs, finals = schedule
+        split = {(a.microbatch, a.stage) for a in actions if a.op == "W"}
+        step = _Step(micro, weights, step_fn, step_args, loss_scale, split)
         run_at = {start: n for n, (start, _) in enumerate(runs)}
-        sending: dict = {}  # action index of a send -> (its works, bytes it keeps alive)
+        sending = step.sending
         with self.capture.recording():
             i = 0
             while i < len(actions):
@@ -301,47 +344,53 @@ class PipelineEngine:
                     self._release(*sending.pop(index))
                 if i in run_at:
                     n = run_at[i]
-                    self._communicate(actions, *runs[n], outputs, out_meta, conventions, input_grads, inputs, grads,
-                                      sending, keys.__getitem__)
+                    self._communicate(actions, *runs[n], step, keys.__getitem__)
                     if n + 1 < len(runs):
                         start, stop = runs[n + 1]
-                        ahead = [(a.microbatch, a.stage) for a in actions[start:stop] if a.op == "recv_f"]
+                        ahead = [(a.microbatch, a.stage) for a in actions[start:stop]
+                                 if a.op == "recv_f" and self.plan.rank_of_stage(a.stage - 1) != self.mesh.pp_rank]
                         self.link.receive_ahead(ahead, keys.__getitem__)
                     i = runs[n][1]
                     continue
                 a = actions[i]
-                t0 = time.perf_counter()
-                key = (a.microbatch, a.stage)
-                if a.op == "F":
-                    self.capture.weight = weights[a.microbatch]
-                    received = inputs.get(key) if training else inputs.pop(key, None)  # kept for backward
-                    out = self._forward(a.stage, micro[a.microbatch], step_fn, step_args, received,
-                                        conventions.get(key), training)
-                    if a.stage == last:
-                        results[a.microbatch] = out
-                    else:
-                        outputs[key], conventions[(a.microbatch, a.stage + 1)] = out
-                        out_meta[key] = (outputs[key].shape, outputs[key].dtype)
-                        if self.meter:
-                            self.meter.add(outputs[key].untyped_storage().nbytes())
-                else:
-                    received = inputs.pop(key) if a.stage > 0 else None
-                    grad, weight_pass = self._backward(a.stage == last, results, outputs, grads, key,
-                                                       weights[a.microbatch] * loss_scale, received if i == split_at else None)
-                    if received is not None:
-                        if grad is None:
-                            grad = received.grad if received.grad is not None else torch.zeros_like(received)
-                        input_grads[key] = grad
-                self._record(a.op, a.microbatch, a.stage, t0)
+                final = finals[0 if self.split_backward else 1].get(i) if training else None
+                with self.final_weight_context(final) if final is not None else nullcontext():
+                    self._compute(a, step)
                 i += 1
-            if weight_pass is not None:
-                t0 = time.perf_counter()
-                weight_pass()
-                self._record("W", actions[split_at].microbatch, actions[split_at].stage, t0)
             for works, nbytes in sending.values():
                 self._release(works, nbytes)
             self.runtime.forget_substitutions()
-        return self._finish(results, weights, loss_scale is not None)
+        return self._finish(step.results, weights, training)
+
+    def _compute(self, a, step: _Step) -> None:
+        """Run compute action ``a``: a forward, a backward (the input gradient alone where a W follows), a W."""
+        last = self.plan.num_stages - 1
+        t0 = time.perf_counter()
+        key = (a.microbatch, a.stage)
+        if a.op == "F":
+            self.capture.weight = step.weights[a.microbatch]
+            received = step.inputs.get(key) if step.training else step.inputs.pop(key, None)  # kept for backward
+            out = self._forward(a.stage, step.micro[a.microbatch], step.step_fn, step.step_args, received,
+                                step.conventions.get(key), step.training)
+            if a.stage == last:
+                step.results[a.microbatch] = out
+            else:
+                step.outputs[key], step.conventions[(a.microbatch, a.stage + 1)] = out
+                step.out_meta[key] = (out[0].shape, out[0].dtype)
+                if self.meter:
+                    self.meter.add(out[0].untyped_storage().nbytes())
+        elif a.op == "B":
+            received = step.inputs.pop(key) if a.stage > 0 else None
+            grad, weight_pass = self._backward(a.stage == last, step, key, received, key in step.split)
+            if weight_pass is not None:
+                step.weight_passes[key] = weight_pass
+            if received is not None:
+                step.input_grads[key] = grad
+        else:
+            weight_pass = step.weight_passes.pop(key, None)  # none where the backward could not be split
+            if weight_pass is not None:
+                weight_pass()
+        self._record(a.op, a.microbatch, a.stage, t0)
 
     def _forward(self, stage, micro_batch, step_fn, step_args, received, convention, training):
         if received is not None and training:
@@ -369,76 +418,86 @@ class PipelineEngine:
             # perf_counter is the system's monotonic clock, comparable across local processes
             self.timeline.append(Interval(self.mesh.pp_rank, op, microbatch, stage, start, time.perf_counter()))
 
-    def _backward(self, is_last, results, outputs, grads, key, scale, received=None):
-        """Back-propagate one micro-batch; returns ``(input_grad, weight_pass)``, both None unless split.
+    def _backward(self, is_last: bool, step: _Step, key: tuple, received: Optional[torch.Tensor], split: bool):
+        """Back-propagate one micro-batch; returns ``(input_grad, weight_pass)``.
 
-        Given ``received`` (the stage input, for the rank's last backward only), the gradient of the
-        input is computed first, with the graph kept, and returned with the full backward as
-        ``weight_pass``, which the caller runs once that gradient is on its way. The previous stage
-        starts its own last backward that much earlier, so the cool-down of the flush shrinks by
-        the weight-gradient work of every later stage, the idea of the backward split in Qi et al.
-        2023 (Zero Bubble Pipeline Parallelism, arXiv 2401.10241). The weight pass repeats the
-        input-gradient chain (and, under tensor parallelism, its collectives); it runs while the
-        rank would otherwise wait for the earlier stages to finish the step.
+        ``split``: a W follows, so compute only the input gradient now and return the weight pass
+        (``backward_split``; on the first stage, which has no input gradient, the weight pass is
+        the whole backward). A graph that refuses a partial backward (reentrant activation
+        checkpointing), or that recomputes forwards during backward (non-reentrant checkpointing,
+        which would recompute once more in the weight pass), makes this and every later backward
+        whole; W then has nothing left to do.
         """
         if is_last:
-            result = results[key[0]]
+            result = step.results[key[0]]
             loss = result["loss"] if isinstance(result, dict) else result
             if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
                 raise PipelineConfigError(
                     "training_step must return a loss tensor that requires grad (or a dict with 'loss') under "
                     f"pipeline parallelism, got {type(result).__name__}"
                 )
-            root = loss * scale
+            root = loss * (step.weights[key[0]] * step.loss_scale)
             roots, root_grads = (root,), (torch.ones_like(root),)
-            results[key[0]] = loss.detach()  # the graph's nodes would keep tensors alive until the step ends
+            step.results[key[0]] = loss.detach()  # the graph's nodes would keep tensors alive until the step ends
         else:
             # the output's storage was released after sending; run the engine on its graph directly
-            roots, root_grads = (outputs.pop(key),), (grads.pop(key),)
-        engine = autograd_engine()
-
-        def full_backward() -> None:
-            engine.run_backward(roots, root_grads, False, False, (), True, True)
-
-        if received is not None and self.input_grad_first:
+            roots, root_grads = (step.outputs.pop(key),), (step.grads.pop(key),)
+        if split and self.split_backward:
             try:
-                (grad,) = engine.run_backward(roots, root_grads, True, False, (received,), True, False)
-            except RuntimeError:  # e.g. reentrant activation checkpointing, which allows only .backward()
-                self.input_grad_first = False
+                grad, weight_pass = backward_input(roots, root_grads, received)
+            except SplitUnsupported:
+                self.split_backward = False
             else:
-                return (grad if grad is not None else torch.zeros_like(received)), full_backward
-        full_backward()
-        return None, None
+                self.split_backward = not weight_pass.recomputed
+                return grad, weight_pass
+        autograd_engine().run_backward(roots, root_grads, False, False, (), True, True)
+        if received is None:
+            return None, None
+        return (received.grad if received.grad is not None else torch.zeros_like(received)), None
 
-    def _communicate(self, actions, start, stop, outputs, out_meta, conventions, input_grads, inputs, grads, sending,
-                     key_of):
+    def _communicate(self, actions, start: int, stop: int, step: _Step, key_of) -> None:
+        """Post one run of communication actions; a neighbouring stage on this rank gets its tensor directly."""
         sends_f, sends_b, recvs_f, recvs_b = [], [], [], []
         send_f_at, send_b_at = [], []
+        here = self.mesh.pp_rank
         for index in range(start, stop):
             a = actions[index]
             key = (a.microbatch, a.stage)
             if a.op == "send_f":
-                out = outputs[key] if outputs[key].requires_grad else outputs.pop(key)  # evaluation keeps nothing
-                sends_f.append((a.microbatch, a.stage, out, conventions[(a.microbatch, a.stage + 1)]))
+                # evaluation keeps nothing
+                out = step.outputs[key] if step.outputs[key].requires_grad else step.outputs.pop(key)
+                if self.plan.rank_of_stage(a.stage + 1) == here:
+                    step.inputs[(a.microbatch, a.stage + 1)] = out.detach()
+                    if self.meter:  # from now on the next stage's saved tensors count it
+                        self.meter.add(-out.untyped_storage().nbytes())
+                    continue
+                sends_f.append((a.microbatch, a.stage, out, step.conventions[(a.microbatch, a.stage + 1)]))
                 send_f_at.append(index)
             elif a.op == "send_b":
-                sends_b.append((a.microbatch, a.stage, input_grads.pop(key)))
+                grad = step.input_grads.pop(key)
+                if self.plan.rank_of_stage(a.stage - 1) == here:
+                    step.grads[(a.microbatch, a.stage - 1)] = grad
+                    continue
+                sends_b.append((a.microbatch, a.stage, grad))
                 send_b_at.append(index)
             elif a.op == "recv_f":
-                recvs_f.append(key)
+                if self.plan.rank_of_stage(a.stage - 1) != here:
+                    recvs_f.append(key)
             else:
-                recvs_b.append((a.microbatch, a.stage, *out_meta.pop(key)))
+                meta = step.out_meta.pop(key)
+                if self.plan.rank_of_stage(a.stage + 1) != here:
+                    recvs_b.append((a.microbatch, a.stage, *meta))
         received, received_grads, works = self.link.exchange(sends_f, sends_b, recvs_f, recvs_b, key_of)
         for key, (tensor, convention) in received.items():
-            inputs[key], conventions[key] = tensor, convention
-        grads.update(received_grads)
+            step.inputs[key], step.conventions[key] = tensor, convention
+        step.grads.update(received_grads)
         sent = [(out, True) for _, _, out, _ in sends_f] + [(grad, False) for _, _, grad in sends_b]
         for index, (tensor, is_output), send_works in zip(send_f_at + send_b_at, sent, works):
             nbytes = tensor.untyped_storage().nbytes()
             if is_output and tensor.requires_grad:
                 # keep only the graph; the send holds the storage until it is waited on
                 tensor.data = torch.empty(1, dtype=tensor.dtype, device=tensor.device)
-            sending[index] = (send_works, nbytes if is_output else 0)
+            step.sending[index] = (send_works, nbytes if is_output else 0)
 
     def _release(self, works, nbytes: int) -> None:
         """Wait for a delivered send, so its buffer is freed."""
@@ -451,7 +510,8 @@ class PipelineEngine:
         """Broadcast the last stage's loss (or outputs) and log records; replay the logs everywhere."""
         mesh = self.mesh
         payload: Any = None
-        if mesh.is_last_stage:
+        holder = self.plan.rank_of_stage(self.plan.num_stages - 1)  # the rank of the last stage
+        if mesh.pp_rank == holder:
             records = self.capture.records()
             if training:
                 # at least float32 (a bf16 loss is summed in float32), float64 under ``64-true``
@@ -461,8 +521,8 @@ class PipelineEngine:
                 value = [results[mb] for mb in sorted(results)]
             payload = (value, records)
         if mesh.pp_size > 1:
-            payload = broadcast_object(payload, mesh.stage_rank(mesh.pp_size - 1), mesh.pp_group, self.link.device,
-                                       mesh.is_last_stage)
+            payload = broadcast_object(payload, mesh.stage_rank(holder), mesh.pp_group, self.link.device,
+                                       mesh.pp_rank == holder)
         value, records = payload
         replay(self.module, records)
         if training:

@@ -23,7 +23,9 @@ class _Held:
     __slots__ = ("tensor", "meter", "key")
 
     def __init__(self, tensor: torch.Tensor, meter: "ActivationMeter"):
-        self.tensor, self.meter = tensor, meter
+        # detached: a saved output holding itself (and so its grad_fn, which holds this) would form a
+        # cycle that only a backward releasing the graph breaks; a split backward keeps part of it
+        self.tensor, self.meter = tensor.detach(), meter
         storage = tensor.untyped_storage()
         self.key = storage.data_ptr()
         meter.hold(self.key, storage.nbytes(), +1)

@@ -7,8 +7,8 @@ the blocks (embeddings) belong to the first stage, those that run after them (fi
 the last stage. Where they run is learned from one forward (``order.trace_run_order``); without
 one, registration order stands in for it (registered before the block list: runs before it), and
 the stand-ins check that order at run time. With
-``V`` virtual stages per rank, stage ``s`` lives on rank ``s % P`` (looped placement, Narayanan
-et al. 2021, arXiv 2104.04473).
+``V`` virtual stages per rank, which rank holds which stage is ``placement``'s choice ("loop":
+stage ``s`` on rank ``s % P``; "v" for the V-shaped schedules).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from torch import nn
 
 from lightning_parallel.pipeline.errors import PipelineConfigError, PipelineIncompatibleModel
 from lightning_parallel.pipeline.order import RunOrder, outside_blocks
+from lightning_parallel.pipeline.placement import check as check_placement
+from lightning_parallel.pipeline.placement import rank_of_stage, stages_of_rank
 
 
 def find_blocks(module: nn.Module, path: str | None = None) -> tuple[str, nn.Module]:
@@ -96,6 +98,7 @@ class StagePlan:
     """Blocks of every (virtual) stage, and the modules before and after the blocks.
 
     ``traced``: whether ``pre``/``post`` come from a traced forward (else from registration order).
+    ``placement``: which rank holds which stage (``placement.PLACEMENTS``).
     """
 
     blocks_path: str
@@ -104,16 +107,17 @@ class StagePlan:
     post: tuple[str, ...]
     ranks: int
     traced: bool = False
+    placement: str = "loop"
 
     @property
     def num_stages(self) -> int:
         return len(self.stage_blocks)
 
     def rank_of_stage(self, stage: int) -> int:
-        return stage % self.ranks
+        return rank_of_stage(stage, self.ranks, self.num_stages, self.placement)
 
     def stages_of_rank(self, rank: int) -> list[int]:
-        return list(range(rank, self.num_stages, self.ranks))
+        return stages_of_rank(rank, self.ranks, self.num_stages, self.placement)
 
     def block_owner(self, index: int) -> int:
         return next(s for s, r in enumerate(self.stage_blocks) if index in r)
@@ -129,9 +133,11 @@ class StagePlan:
 
 def plan_stages(
     module: nn.Module, ranks: int, virtual_stages: int = 1, blocks: str | None = None, layout: list[int] | None = None,
-    order: RunOrder | None = None,
+    order: RunOrder | None = None, placement: str = "loop",
 ) -> StagePlan:
-    """Split ``module`` into ``ranks x virtual_stages`` stages; ``order`` says where the outer modules run."""
+    """Split ``module`` into ``ranks x virtual_stages`` stages placed by ``placement``; ``order`` says where
+    the outer modules run."""
+    check_placement(placement, ranks, ranks * virtual_stages)
     path, block_list = find_blocks(module, blocks)
     pre, post = (order.pre, order.post) if order is not None else outer_modules(module, path)
     parts = ranks * virtual_stages
@@ -153,7 +159,7 @@ def plan_stages(
     stage_blocks = tuple(range(a, a + size) for a, size in zip(starts, sizes))
     assigned = sorted(i for r in stage_blocks for i in r)
     assert assigned == list(range(n)), f"blocks assigned {assigned}, expected each of 0..{n - 1} exactly once"
-    return StagePlan(path, stage_blocks, tuple(pre), tuple(post), ranks, order is not None)
+    return StagePlan(path, stage_blocks, tuple(pre), tuple(post), ranks, order is not None, placement)
 
 
 def shared_parameters(module: nn.Module, plan: StagePlan) -> list[tuple[str, tuple[int, ...]]]:

@@ -1,10 +1,12 @@
 """Pipeline schedules as data: for each rank, the ordered list of actions of one training step.
 
-An action is a forward ``F`` or backward ``B`` of one micro-batch on one (virtual) stage, or the
-point-to-point traffic around it: ``recv_f``/``send_f`` move the hidden state from stage ``s`` to
-``s + 1``, ``recv_b``/``send_b`` move its gradient back. Stage ``s`` lives on rank ``s % P``;
-with ``V`` virtual stages per rank, rank ``r`` holds stages ``r, r + P, ..., r + (V - 1) P``
-("looped" placement of Narayanan et al. 2021, arXiv 2104.04473 §2.2).
+An action is a forward ``F``, a backward ``B`` or a weight pass ``W`` of one micro-batch on one
+(virtual) stage, or the point-to-point traffic around it: ``recv_f``/``send_f`` move the hidden
+state from stage ``s`` to ``s + 1``, ``recv_b``/``send_b`` move its gradient back. Where a
+schedule has a ``W`` for a micro-batch and stage, its ``B`` computes only the input gradient and
+the ``W`` the weight gradients (``backward_split``); without one, ``B`` computes both. Which rank
+holds which stage is ``placement``'s business: stage ``s`` on rank ``s % P`` for all but the
+V-shaped schedules.
 
 Schedules (all flush the pipeline once per step, so the update equals one device's):
 
@@ -15,6 +17,8 @@ Schedules (all flush the pipeline once per step, so the update equals one device
   backwards. At most ``P - r`` micro-batches are in flight on rank ``r``.
 * ``interleaved_1f1b``: the same with ``V`` model chunks per rank (arXiv 2104.04473 §2.2): the
   bubble shrinks by ``V`` at the price of ``V`` times more messages.
+* ``zb_h1``, ``zbv``, ``dualpipev``: schedules with weight passes (Qi et al. 2023, arXiv
+  2401.10241; DeepSeek-AI 2024, arXiv 2412.19437), generated in ``zero_bubble``.
 
 Sends are asynchronous and receives block; ``validate`` proves under exactly these semantics that
 a set of rank schedules is complete, matched and deadlock-free.
@@ -26,16 +30,17 @@ from dataclasses import dataclass
 from typing import Callable
 
 from lightning_parallel.pipeline.errors import PipelineConfigError
+from lightning_parallel.pipeline.placement import PLACEMENTS, placement_of, rank_of_stage, stages_of_rank
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-COMPUTE = ("F", "B")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")
+COMPUTE = ("F", "B", "W")
 
 
 @dataclass(frozen=True)
 class Action:
     """One step of a rank's schedule: ``op`` on micro-batch ``microbatch`` of stage ``stage``."""
 
-    op: str  # "F", "B", "recv_f", "send_f", "recv_b", "send_b"
+    op: str  # "F", "B", "W", "recv_f", "send_f", "recv_b", "send_b"
     microbatch: int
     stage: int
 
@@ -141,13 +146,27 @@ def build_schedule(name: str, stages: int, micro_batches: int, rank: int, virtua
     """The action list of ``rank`` for schedule ``name`` (one of ``SCHEDULES``)."""
     if name == "interleaved_1f1b":
         return schedule_interleaved_1f1b(stages, micro_batches, rank, virtual_stages)
+    if name in ("zbv", "dualpipev"):
+        from lightning_parallel.pipeline import zero_bubble  # it builds on this module
+
+        if virtual_stages != 2:
+            raise PipelineConfigError(
+                f"{name} runs exactly 2 stages per rank (rank r holds stages r and 2P - 1 - r), got "
+                f"virtual_stages={virtual_stages}; use virtual_stages=2"
+            )
+        v_shaped = {"zbv": zero_bubble.schedule_zbv, "dualpipev": zero_bubble.schedule_dualpipev}
+        return v_shaped[name](stages, micro_batches, rank)
     if name not in SCHEDULES:
         raise PipelineConfigError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     if virtual_stages != 1:
         raise PipelineConfigError(
             f"schedule {name!r} runs one stage per rank, got virtual_stages={virtual_stages}; "
-            "use schedule='interleaved_1f1b' or virtual_stages=1"
+            "use schedule='interleaved_1f1b' (or 'zbv' for 2) or virtual_stages=1"
         )
+    if name == "zb_h1":
+        from lightning_parallel.pipeline.zero_bubble import schedule_zb_h1  # it builds on this module
+
+        return schedule_zb_h1(stages, micro_batches, rank)
     return (schedule_gpipe if name == "gpipe" else schedule_1f1b)(stages, micro_batches, rank)
 
 
@@ -156,40 +175,60 @@ def all_ranks(name: str, stages: int, micro_batches: int, virtual_stages: int = 
     return [build_schedule(name, stages, micro_batches, r, virtual_stages) for r in range(stages)]
 
 
+def validate_schedule(name: str, stages: int, micro_batches: int, virtual_stages: int = 1) -> list[list[Action]]:
+    """``all_ranks`` of schedule ``name``, validated on the placement it runs on."""
+    every = all_ranks(name, stages, micro_batches, virtual_stages)
+    validate(every, micro_batches, placement_of(name))
+    return every
+
+
 # ---- validation ------------------------------------------------------------------------------
 _MATCH = {"send_f": ("recv_f", 1), "send_b": ("recv_b", -1)}
 
 
-def validate(schedules: list[list[Action]], micro_batches: int) -> None:
+def validate(schedules: list[list[Action]], micro_batches: int, placement: str | None = None) -> None:
     """Raise ``PipelineConfigError`` unless the rank schedules form one correct training step.
 
     Complete: every (micro-batch, stage) is forwarded once and then backwarded once, on the rank
-    that holds the stage, with its receives before and its sends after the compute. Matched: each
+    that holds the stage (``placement``), with its receives before and its sends after the
+    compute; a weight pass ``W``, where there is one, comes once, after its ``B``. Matched: each
     send has exactly one receive on the neighbouring stage. Deadlock-free: executing all ranks
-    with asynchronous sends and blocking receives reaches the end of every list.
+    with asynchronous sends and blocking receives reaches the end of every list. ``placement``
+    None: whichever of ``placement.PLACEMENTS`` the schedules' stages sit on ("loop" if neither).
     """
     ranks = len(schedules)
     total = 1 + max(a.stage for acts in schedules for a in acts)
+    if placement is None:
+        placement = next((p for p in PLACEMENTS if all(rank_of_stage(a.stage, ranks, total, p) == r
+                                                       for r, acts in enumerate(schedules) for a in acts)), "loop")
     expected = {(mb, s) for mb in range(micro_batches) for s in range(total)}
     for rank, acts in enumerate(schedules):
         seen: dict[tuple[str, int, int], int] = {}
         for pos, a in enumerate(acts):
-            if a.stage % ranks != rank:
-                raise PipelineConfigError(f"rank {rank} runs {a}, but stage {a.stage} lives on rank {a.stage % ranks}")
+            holder = rank_of_stage(a.stage, ranks, total, placement)
+            if holder != rank:
+                raise PipelineConfigError(f"rank {rank} runs {a}, but stage {a.stage} lives on rank {holder}")
             if (a.op, a.microbatch, a.stage) in seen:
                 raise PipelineConfigError(f"rank {rank} runs {a} twice")
             seen[(a.op, a.microbatch, a.stage)] = pos
-        mine = {(mb, s) for mb, s in expected if s % ranks == rank}
-        for op in COMPUTE:
+        mine = {(mb, s) for mb, s in expected if rank_of_stage(s, ranks, total, placement) == rank}
+        for op in ("F", "B"):
             got = {(mb, s) for (o, mb, s) in seen if o == op}
             if got != mine:
                 raise PipelineConfigError(f"rank {rank}: {op} missing for {sorted(mine - got)}, extra {sorted(got - mine)}")
+        weights = {(mb, s) for (o, mb, s) in seen if o == "W"}
+        if weights - mine:
+            raise PipelineConfigError(f"rank {rank}: W of {sorted(weights - mine)} has no forward or backward")
         for mb, s in mine:
             f, b = seen[("F", mb, s)], seen[("B", mb, s)]
             order = [("recv_f", f, s > 0, "<"), ("send_f", f, s < total - 1, ">"),
                      ("recv_b", b, s < total - 1, "<"), ("send_b", b, s > 0, ">")]
             if f > b:
                 raise PipelineConfigError(f"rank {rank}: backward of micro-batch {mb} stage {s} precedes its forward")
+            if seen.get(("W", mb, s), b) < b:
+                raise PipelineConfigError(
+                    f"rank {rank}: weight pass of micro-batch {mb} stage {s} precedes its backward"
+                )
             for op, anchor, needed, side in order:
                 pos = seen.get((op, mb, s))
                 if needed != (pos is not None) or (pos is not None and (pos < anchor) != (side == "<")):
@@ -234,10 +273,19 @@ def _run_to_completion(schedules: list[list[Action]]) -> None:
         raise PipelineConfigError(f"schedule deadlocks: ranks wait forever at {stuck}")
 
 
-def schedule_forward_only(stages: int, micro_batches: int, rank: int, virtual_stages: int = 1) -> list[Action]:
-    """Evaluation: every micro-batch through each of the rank's stages, no backward."""
+def schedule_forward_only(stages: int, micro_batches: int, rank: int, virtual_stages: int = 1,
+                          placement: str = "loop") -> list[Action]:
+    """Evaluation: every micro-batch through each of the rank's stages, no backward.
+
+    Looped stages take one micro-batch through all of the rank's stages at a time; V-shaped ones
+    all micro-batches through the first chunk, then through the second (a micro-batch's second
+    chunk waits for every later rank, which would otherwise leave the pipeline empty).
+    """
     total = stages * virtual_stages
-    return [a for mb in range(micro_batches) for s in range(rank, total, stages) for a in _forward(mb, s, total)]
+    mine = stages_of_rank(rank, stages, total, placement)
+    order = [(mb, s) for s in mine for mb in range(micro_batches)] if placement == "v" else \
+        [(mb, s) for mb in range(micro_batches) for s in mine]
+    return [a for mb, s in order for a in _forward(mb, s, total)]
 
 
 def send_completion_points(schedules: list[list[Action]]) -> list[dict[int, int]]:
@@ -294,11 +342,18 @@ def communication_runs(actions: list[Action]) -> list[tuple[int, int]]:
     return runs
 
 
-def last_input_backward(actions: list[Action]) -> int | None:
-    """Index of the rank's last backward if its stage has an input gradient to send (stage > 0), else None.
+def defer_last_weight_pass(actions: list[Action]) -> list[Action]:
+    """A schedule without weight passes, with its rank's last backward split: ``W`` at the very end.
 
-    Nothing computes after it on that rank, so the engine may send the input gradient before
-    finishing the weight gradients (see ``PipelineEngine._backward``).
+    Where the last backward has an input gradient to send (stage > 0), its ``B`` now computes only
+    that gradient, which leaves before the weight gradients are computed, so the earlier stages
+    start their own last backward that much sooner and the flush at the end of the step shrinks
+    by the weight-gradient work of every later stage (the backward split of Qi et al. 2023, arXiv
+    2401.10241, applied to the one backward no other action waits behind).
     """
+    if any(a.op == "W" for a in actions):
+        return actions
     last = max((i for i, a in enumerate(actions) if a.op == "B"), default=None)
-    return last if last is not None and actions[last].stage > 0 else None
+    if last is None or actions[last].stage == 0:
+        return actions
+    return actions + [Action("W", actions[last].microbatch, actions[last].stage)]

@@ -1,10 +1,15 @@
 """Replay rank schedules on an ideal machine: step time, bubble and micro-batches in flight.
 
-Every forward of one stage costs ``forward_cost`` and every backward ``backward_cost``; messages
+Every forward of one stage costs ``forward_cost``; a backward split into an input-gradient pass
+``B`` and a weight pass ``W`` costs ``backward_cost`` and ``weight_cost`` (Qi et al. 2023, arXiv
+2401.10241, whose bubbles assume all three equal), an unsplit ``B`` (no ``W`` for it in the
+schedule) the sum of both, so with the defaults a forward costs 1 and a whole backward 2. Messages
 arrive instantly. A rank starts its next compute as soon as the inputs it waits for exist. The
 bubble is the idle share of all ranks' time over the step (Narayanan et al. 2021,
 arXiv 2104.04473 §2.2 call ``(P - 1) / M`` of the ideal time; of the whole step it is
-``(P - 1) / (M + P - 1)`` for GPipe and 1F1B with equal stages).
+``(P - 1) / (M + P - 1)`` for GPipe and 1F1B with equal stages). A micro-batch is in flight on a
+stage from its forward until the pass that ends its backward (``W`` where split): the activations
+its weight gradients need live until then.
 """
 
 from __future__ import annotations
@@ -34,8 +39,10 @@ class Simulation:
     intervals: list[Interval]
 
 
-def simulate(schedules: list[list[Action]], forward_cost: float = 1.0, backward_cost: float = 2.0) -> Simulation:
+def simulate(schedules: list[list[Action]], forward_cost: float = 1.0, backward_cost: float = 1.0,
+             weight_cost: float = 1.0) -> Simulation:
     """Run the schedules (assumed valid) and measure the ideal step."""
+    split = {(a.microbatch, a.stage) for acts in schedules for a in acts if a.op == "W"}
     ready_at: dict[tuple[str, int, int], float] = {}
     clock = [0.0] * len(schedules)
     in_flight = [0] * len(schedules)
@@ -48,10 +55,11 @@ def simulate(schedules: list[list[Action]], forward_cost: float = 1.0, backward_
         elif a.op in ("send_f", "send_b"):
             ready_at[matching_receive(a)] = clock[rank]
         else:
-            cost = forward_cost if a.op == "F" else backward_cost
+            whole = a.op == "B" and (a.microbatch, a.stage) not in split
+            cost = {"F": forward_cost, "B": backward_cost, "W": weight_cost}[a.op] + (weight_cost if whole else 0.0)
             intervals.append(Interval(rank, a.op, a.microbatch, a.stage, clock[rank], clock[rank] + cost))
             clock[rank] += cost
-            in_flight[rank] += 1 if a.op == "F" else -1
+            in_flight[rank] += 1 if a.op == "F" else -1 if a.op == "W" or whole else 0
             peak[rank] = max(peak[rank], in_flight[rank])
 
     replay(schedules, visit)

@@ -1,6 +1,7 @@
 """Draw a pipeline step as a timeline, ranks by time, so the bubble is visible.
 
-The top panel is the simulator's ideal schedule (forward costs 1, backward 2); with ``--measure``
+The top panel is the simulator's ideal schedule (forward, input-gradient pass and weight pass cost
+1 each, an unsplit backward 2); with ``--measure``
 a second panel shows the intervals the engine recorded while training the default GPT on
 ``--stages`` local CPU processes (gloo). Forward intervals are light, backward dark, the weight
 pass purple, each labelled with its micro-batch (the legend says which is which); white space is
@@ -23,10 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_parallel.pipeline.placement import V_SHAPED
 from lightning_parallel.pipeline.schedules import SCHEDULES, all_ranks
 from lightning_parallel.pipeline.simulator import Interval, simulate
 
-# (chunk 0, other chunks); W is the weight-gradient pass the engine runs after a stage's last input gradient
+# (chunk 0, other chunks); W is a weight-gradient pass split off its backward (``backward_split``)
 _COLOURS = {"F": ("#9ecae1", "#6baed6"), "B": ("#3182bd", "#08519c"), "W": ("#756bb1", "#54278f")}
 _LABELS = {"F": "forward", "B": "backward", "W": "weight-gradient pass"}
 DEFAULT_OUT = os.path.join(tempfile.gettempdir(), "pipeline_timeline.png")
@@ -73,11 +75,12 @@ def render(path: str, stages: int, micro_batches: int, schedule: str, virtual_st
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sim = simulate(all_ranks(schedule, stages, micro_batches, virtual_stages), 1 / virtual_stages, 2 / virtual_stages)
+    cost = 1 / virtual_stages  # a chunk is 1/V of a stage; F = B = W (an unsplit backward costs B + W)
+    sim = simulate(all_ranks(schedule, stages, micro_batches, virtual_stages), cost, cost, cost)
     panels = 2 if measured else 1
     fig, axes = plt.subplots(panels, 1, figsize=(12, 1.2 + 0.55 * stages * panels), squeeze=False)
     name = f"{schedule}, P={stages}, M={micro_batches}" + (f", V={virtual_stages}" if virtual_stages > 1 else "")
-    _draw(axes[0][0], sim.intervals, stages, f"simulated {name} (backward = 2 x forward)", "time (forward units)")
+    _draw(axes[0][0], sim.intervals, stages, f"simulated {name} (F = B = W, unsplit backward = 2 x forward)", "time (forward units)")
     if measured:
         t0 = min(i.start for i in measured)
         shifted = [Interval(i.rank, i.op, i.microbatch, i.stage, (i.start - t0) * 1e3, (i.end - t0) * 1e3) for i in measured]
@@ -135,10 +138,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
-    parser.add_argument("--virtual-stages", type=int, default=1)
+    parser.add_argument("--virtual-stages", type=int, default=1, help="chunks per rank (2 for zbv, dualpipev)")
     parser.add_argument("--measure", action="store_true", help="also run the default GPT and draw what happened")
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"PNG file to write (default {DEFAULT_OUT})")
     args = parser.parse_args(argv)
+    if args.schedule in V_SHAPED and args.virtual_stages == 1:
+        args.virtual_stages = 2  # a V holds two stages per rank
     try:
         measured = measure(args.stages, args.micro_batches, args.schedule, args.virtual_stages) if args.measure else None
         render(args.out, args.stages, args.micro_batches, args.schedule, args.virtual_stages, measured)
