@@ -52,7 +52,7 @@ def check_config(cfg: DictConfig) -> None:
             "file or a folder of text files, or null for the bundled corpus:\n    data.path=null"
         )
     schedule = options.get("schedule")
-    if schedule is None:
+    if schedule is None or schedule == "auto":  # "auto": chosen with the layout (planner/auto.py)
         return
     from lightning_parallel.pipeline.schedules import SCHEDULES  # imports the whole pipeline package: last
 

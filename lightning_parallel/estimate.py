@@ -10,7 +10,11 @@ bytes for 16-bit activations::
     no sequence parallelism:  s*b*h * (10 + 24/t + 5*a*s/(h*t))
     sequence parallelism:     s*b*h/t * (34 + 5*a*s/h)
 
-scaled by ``activation bytes / 2`` for other precisions. A rank keeps as many micro-batches in
+scaled by ``activation bytes / 2`` for other precisions. With activation checkpointing of every
+layer (``recompute``) a layer keeps only its input, ``s*b*h`` elements (``/t`` with sequence
+parallelism), and one layer's full activations exist again while its backward runs (Korthikanti
+et al. 2022, §4). ZeRO-1 (Rajbhandari et al. 2020, arXiv 1910.02054) divides the optimizer state
+by the data-parallel size (``zero_shards``). A rank keeps as many micro-batches in
 flight as the schedule simulator counts (``min(P - r, M)`` for 1F1B, ``M`` for GPipe). The last
 stage also holds the logits and their gradient in float32 (``8*s*b*V/t`` bytes). The formula
 assumes a GPT-style block (4h MLP, as many KV heads as heads); for other blocks it is an
@@ -142,15 +146,22 @@ def estimate_memory(
     schedule: str,
     sequence_parallel: bool,
     precision,
+    zero_shards: int = 1,
+    recompute: bool = False,
+    params: list[int] | None = None,
+    in_flight: list[int] | None = None,
 ) -> list[RankMemory]:
-    """Memory per device of every pipeline rank (see the module docstring for what is counted)."""
+    """Memory per device of every pipeline rank (see the module docstring for what is counted).
+
+    ``params`` (``parameters_per_rank``) and ``in_flight`` (the simulator's peak micro-batches per
+    rank) may be given by a caller that estimates many layouts of one split.
+    """
     p_bytes, g_bytes, o_bytes, a_bytes = precision_bytes(precision)
-    params = parameters_per_rank(model, stages, tp_sharded, tp)
+    if params is None:
+        params = parameters_per_rank(model, stages, tp_sharded, tp)
     pp, virtual = stages.ranks, stages.num_stages // stages.ranks
-    if pp == 1:
-        in_flight = [1]
-    else:
-        in_flight = simulate(all_ranks(schedule, pp, micro_batches, virtual)).peak_in_flight
+    if in_flight is None:
+        in_flight = [1] if pp == 1 else simulate(all_ranks(schedule, pp, micro_batches, virtual)).peak_in_flight
     dims = transformer_dims(model)
     result = []
     for rank in range(pp):
@@ -161,9 +172,14 @@ def estimate_memory(
             # each in-flight unit is one (virtual) stage's blocks for one micro-batch
             deepest = max(len(stages.stage_blocks[s]) for s in rank_stages)
             per_layer = layer_activation_bytes(dims, seq, micro_batch, tp, sequence_parallel, a_bytes)
-            act = in_flight[rank] * deepest * per_layer
+            if recompute:
+                layer_input = seq * micro_batch * dims.hidden * a_bytes / (tp if sequence_parallel else 1)
+                act = in_flight[rank] * deepest * layer_input + per_layer
+            else:
+                act = in_flight[rank] * deepest * per_layer
             if rank == stages.rank_of_stage(stages.num_stages - 1):
                 act += 8 * seq * micro_batch * dims.vocab / tp
         n = params[rank]
-        result.append(RankMemory(rank, blocks, n, n * p_bytes, n * g_bytes, n * o_bytes, act, in_flight[rank]))
+        result.append(RankMemory(rank, blocks, n, n * p_bytes, n * g_bytes, n * o_bytes / zero_shards, act,
+                                 in_flight[rank]))
     return result

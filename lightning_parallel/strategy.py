@@ -58,7 +58,7 @@ from lightning_parallel.compat import (
 )
 from lightning_parallel.data_parallel import GradientSynchronizer
 from lightning_parallel.data_parallel.zero import ZeroOneSharding
-from lightning_parallel.gradients import GradientFinalizer
+from lightning_parallel.gradients import GradientFinalizer, shared_across_stages
 from lightning_parallel.launcher import MultiProcessingLauncher
 from lightning_parallel.init import (
     UnsplitModel,
@@ -71,6 +71,9 @@ from lightning_parallel.init import (
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.pipeline import PipelineEngine
 from lightning_parallel.pipeline.example import first_batch
+from lightning_parallel.pipeline.placement import V_SHAPED, placement_of
+from lightning_parallel.planner import SearchResult
+from lightning_parallel.planner.auto import choose_for, is_auto
 from lightning_parallel.requeue import DeferredRequeue
 from lightning_parallel.slurm_checks import LaunchConfigError, validate_launch
 from lightning_parallel.summary import count_parameters, report_whole_model
@@ -86,11 +89,18 @@ class ParallelStrategy(_LightningParallelStrategy):
     Args:
         data_parallel: model replicas; ``"auto"`` takes the processes left over after TP and PP.
         tensor_parallel: ranks that shard each layer, Megatron style (keep it within a node).
+            ``"auto"`` (here, in ``pipeline_parallel``, ``schedule``, ``virtual_stages`` or
+            ``zero_stage``): at setup, every rank takes the planner's best layout for the model,
+            the world and the batch shape, searching each argument given as ``"auto"`` (and
+            ``micro_batches`` when None) and keeping the others (``planner/auto.py``); until then
+            those arguments read as their defaults.
         pipeline_parallel: pipeline stages.
         micro_batches: micro-batches per training batch under pipeline parallelism (default: the
             number of stages).
-        schedule: pipeline schedule, ``"1f1b"``, ``"gpipe"`` or ``"interleaved_1f1b"``.
-        virtual_stages: model chunks per rank for ``"interleaved_1f1b"``.
+        schedule: pipeline schedule, ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"``, or the
+            zero-bubble ``"zb_h1"`` and ``"zbv"`` (``pipeline/zero_bubble.py``).
+        virtual_stages: model chunks per rank for ``"interleaved_1f1b"``; ``"zbv"`` holds 2 (a
+            value of 1 reads as 2 there).
         sequence_parallel: shard norm and dropout regions along the sequence under TP
             (Korthikanti et al. 2022).
         tp_plan: module-name glob -> style (``colwise``, ``rowwise``, ``vocab``, or a dict with
@@ -110,17 +120,17 @@ class ParallelStrategy(_LightningParallelStrategy):
     def __init__(
         self,
         data_parallel: Union[int, str] = "auto",
-        tensor_parallel: int = 1,
-        pipeline_parallel: int = 1,
+        tensor_parallel: Union[int, str] = 1,
+        pipeline_parallel: Union[int, str] = 1,
         micro_batches: Optional[int] = None,
         schedule: str = "1f1b",
-        virtual_stages: int = 1,
+        virtual_stages: Union[int, str] = 1,
         sequence_parallel: bool = False,
         tp_plan: Optional[dict] = None,
         pipeline_blocks: Optional[str] = None,
         pipeline_layout: Optional[list[int]] = None,
         bucket_size_mb: float = 25.0,
-        zero_stage: int = 0,
+        zero_stage: Union[int, str] = 0,
         start_method: StartMethod = "popen",
         timeout: Union[timedelta, float] = timedelta(minutes=30),
         process_group_backend: Optional[str] = None,
@@ -139,20 +149,28 @@ class ParallelStrategy(_LightningParallelStrategy):
         )
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}")
+        options = dict(tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, data_parallel=data_parallel,
+                       micro_batches=micro_batches, schedule=schedule, virtual_stages=virtual_stages,
+                       zero_stage=zero_stage, tp_plan=tp_plan, sequence_parallel=sequence_parallel,
+                       pipeline_blocks=pipeline_blocks)
+        self._searched = options if is_auto(options) else None  # resolved once, at setup
+        self.layout_search: Optional[SearchResult] = None  # the ranked layouts "auto" chose from
         self.data_parallel = data_parallel
-        self.tensor_parallel = int(tensor_parallel)
-        self.pipeline_parallel = int(pipeline_parallel)
+        self.tensor_parallel = 1 if tensor_parallel == "auto" else int(tensor_parallel)
+        self.pipeline_parallel = 1 if pipeline_parallel == "auto" else int(pipeline_parallel)
         self.micro_batches = micro_batches
-        self.schedule = schedule
-        self.virtual_stages = virtual_stages
+        self.schedule = "1f1b" if schedule == "auto" else schedule
+        self.virtual_stages = 1 if virtual_stages == "auto" else int(virtual_stages)
+        if self.schedule in V_SHAPED and self.virtual_stages == 1:
+            self.virtual_stages = 2  # a V-shaped schedule holds two stages per rank
         self.sequence_parallel = sequence_parallel
         self.tp_plan = dict(tp_plan) if tp_plan is not None else None
         self.pipeline_blocks = pipeline_blocks
         self.pipeline_layout = list(pipeline_layout) if pipeline_layout is not None else None
         self.bucket_size_mb = bucket_size_mb
-        if zero_stage not in (0, 1):
-            raise ValueError(f"zero_stage must be 0 (off) or 1 (shard optimizer state), got {zero_stage!r}")
-        self.zero_stage = zero_stage
+        if zero_stage not in (0, 1, "auto"):
+            raise ValueError(f"zero_stage must be 0 (off), 1 (shard optimizer state) or 'auto', got {zero_stage!r}")
+        self.zero_stage = 0 if zero_stage == "auto" else zero_stage
         self._start_method = start_method
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
         self._process_group_backend = process_group_backend
@@ -213,7 +231,15 @@ class ParallelStrategy(_LightningParallelStrategy):
         return {"num_replicas": mesh.dp_size, "rank": mesh.coords(self.global_rank).dp}
 
     def _resolve_sizes(self) -> None:
-        """Presets fill in the size they spread over all processes (see the subclasses)."""
+        """Presets fill in the size they spread over all processes (see the subclasses); sizes given
+        as "auto" take the planner's best layout, chosen the same on every rank before any collective."""
+        if self._searched is not None:
+            # cleared first: a data module building the first batch's loader may ask for the mesh (any
+            # DP size gives the batch shape the search reads: a loader's batch_size is per replica)
+            options, self._searched = self._searched, None
+            self.layout_search = choose_for(self, options)
+            for name, value in self.layout_search.best.candidate.layout.options().items():
+                setattr(self, name, value)
 
     def _planned_mesh(self) -> ParallelMesh:
         if self.mesh is not None:
@@ -256,6 +282,7 @@ class ParallelStrategy(_LightningParallelStrategy):
             model=module if self.is_model_split and not self._has_split(module) else None,
             tp_plan=self.tp_plan, sequence_parallel=self.sequence_parallel, pipeline_blocks=self.pipeline_blocks,
             virtual_stages=self.virtual_stages, pipeline_layout=self.pipeline_layout,
+            placement=placement_of(self.schedule),
             automatic_optimization=module is None or module.automatic_optimization,
             loss_scaler=getattr(self.precision_plugin, "scaler", None) is not None,
         )
@@ -286,7 +313,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         if type(self.checkpoint_io) is not TorchCheckpointIO:
             raise LaunchConfigError(
                 f"Trainer(plugins=[{type(self.checkpoint_io).__name__}(...)]) is not supported with {split}: a split "
-                "model writes its checkpoint as a directory of shards, one file per stage and shard, without a "
+                "model writes its checkpoint as a Distributed Checkpoint directory, one file per rank, without a "
                 "CheckpointIO plugin. Remove the plugin (checkpoints are written synchronously), or use it with "
                 "DataParallelStrategy."
             )
@@ -311,7 +338,8 @@ class ParallelStrategy(_LightningParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             if self.mesh.dp_size > 1:
                 self.grad_sync = GradientSynchronizer(
-                    list(module.parameters()), self.mesh.dp_group, self.bucket_size_mb, shard=self.zero_stage == 1
+                    list(module.parameters()), self.mesh.dp_group, self.bucket_size_mb, shard=self.zero_stage == 1,
+                    deferred=shared_across_stages(module, self.pipeline) if self.pipeline is not None else (),
                 )
             if self.pipeline is not None:
                 # the pipeline runs forward and backward itself, inside training_step
@@ -453,9 +481,10 @@ class ParallelStrategy(_LightningParallelStrategy):
         if batch_idx % trainer.accumulate_grad_batches == 0:
             for optimizer in self.optimizers:
                 optimizer.zero_grad()
-        # every micro-batch's backward accumulates locally; DP averages once, in finalize_gradients
+        # micro-batches accumulate locally; at the window's end each stage's last backward launches its DP buckets
         no_sync = self.grad_sync.no_sync() if self.grad_sync is not None else nullcontext()
-        with self.precision_plugin.train_step_context(), no_sync:
+        overlap = self.finalize_gradients.overlapped(window_ends=not self._sync_blocked)
+        with self.precision_plugin.train_step_context(), no_sync, overlap:
             loss = self.pipeline.training_step(batch, batch_idx, loss_scale=1.0 / trainer.accumulate_grad_batches)
         if not self._sync_blocked:
             self.finalize_gradients()

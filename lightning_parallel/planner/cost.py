@@ -1,0 +1,173 @@
+"""Predicted time of one training step of a layout: compute, TP and PP traffic, the bubble, DP.
+
+Per micro-batch and stage, compute is the stage's matmul FLOPs over the calibrated rate: ``2``
+FLOPs per weight of every linear layer and token, plus ``4 s h`` per token and layer for the
+attention scores and their weighted sum (Narayanan et al. 2021, arXiv 2104.04473 §5.1: a forward
+of ``24 b s h^2 + 4 b s^2 h`` per layer), divided by the TP size; embeddings are lookups and cost
+nothing. A backward costs twice the forward: one input-gradient and one weight-gradient pass of a
+forward's FLOPs each, which schedules with a separate ``W`` action run apart. Activation
+checkpointing adds one forward to the input-gradient pass.
+
+Collectives are rings: an all-reduce of ``n`` bytes over ``k`` devices moves ``2 (k - 1) / k * n``
+bytes through each device and takes ``2 (k - 1)`` message latencies. Tensor parallelism all-reduces
+the ``s b h`` activations twice per layer forward and twice backward (Shoeybi et al. 2019, arXiv
+1909.08053 §3), inside a node, plus once for a vocabulary-parallel embedding and once, with three
+token-sized reductions, for a vocabulary-parallel head and loss. Pipeline stages send one activation forward and its gradient back
+per micro-batch, across nodes where neighbouring stages sit on different nodes. The per-stage
+costs of the slowest stage (it sets the pace of the pipeline) go to the schedule simulator
+(``pipeline.simulator.simulate``), which adds the bubble. The data-parallel gradient all-reduce
+(with ZeRO-1 the same bytes as a reduce-scatter and an all-gather) follows the pipeline flush with
+no overlap credited, which is exact for a contended CPU and an upper bound on a GPU. The optimizer
+step updates the parameters a device holds (a ``1 / DP`` share under ZeRO-1) at the calibrated
+AdamW rate. When the
+devices are processes sharing CPU cores (``Cluster.shared_compute``) a waiting rank's core runs
+another rank, so the step is a rank's work (stages at their mean cost) and the bubble costs no time.
+Not modelled: framework overheads per micro-batch, slower matmuls for small
+micro-batches (instead the search caps the micro-batch count, ``space.MICRO_BATCHES_PER_STAGE``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torch import nn
+
+from lightning_parallel.estimate import TransformerDims, precision_bytes
+from lightning_parallel.mesh import ParallelMesh
+from lightning_parallel.pipeline.partition import StagePlan
+from lightning_parallel.pipeline.simulator import simulate
+from lightning_parallel.planner.space import Candidate, Cluster, actions_of
+from lightning_parallel.tensor_parallel.resolve import is_conv1d
+
+# the data-parallel synchroniser's default bucket: one ring of latencies per bucket
+BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One step of a layout on the busiest device; times in seconds."""
+
+    step_time: float
+    compute: float  # forward and backward matmuls
+    tensor_parallel: float  # TP all-reduces
+    point_to_point: float  # activations and their gradients between stages
+    bubble: float  # the pipeline's idle share of the step, as a fraction
+    data_parallel: float  # gradient all-reduce after the flush
+    optimizer: float  # the optimizer step on the parameters this device updates
+    bytes_moved: float  # bytes each device sends per step (all collectives and sends)
+
+    @property
+    def idle(self) -> float:
+        busy = self.compute + self.tensor_parallel + self.point_to_point + self.data_parallel + self.optimizer
+        return self.step_time - busy
+
+
+def ring_allreduce(nbytes: float, devices: int, bandwidth: float, latency: float) -> tuple[float, float]:
+    """(seconds, bytes through each device) of a ring all-reduce of ``nbytes``."""
+    if devices == 1:
+        return 0.0, 0.0
+    through = 2 * (devices - 1) / devices * nbytes
+    return through / bandwidth + 2 * (devices - 1) * latency, through
+
+
+def _linear_weights(module: nn.Module) -> int:
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear) or is_conv1d(m))
+
+
+def _has(model: nn.Module, names: tuple[str, ...], kind: type, vocab: int) -> bool:
+    """Whether one of the modules ``names`` holds a ``kind`` layer with a vocabulary-sized dimension."""
+    return any(isinstance(m, kind) and vocab in m.weight.shape for n in names for m in model.get_submodule(n).modules())
+
+
+@dataclass(frozen=True)
+class StageWork:
+    """What one micro-batch asks of each (virtual) stage of a split, unsplit by TP."""
+
+    flops_per_token: list[float]  # forward FLOPs of one token
+    forward_allreduces: list[int]  # activation-sized all-reduces under TP, forward
+    backward_allreduces: list[int]  # the same, backward
+    loss_allreduces: list[int]  # token-sized ones (vocabulary-parallel cross entropy)
+
+
+def stage_work(model: nn.Module, stages: StagePlan, dims: TransformerDims, seq: int) -> StageWork:
+    """Per (virtual) stage: forward FLOPs per token, and the TP all-reduces per micro-batch (two per
+    layer each way; one forward for a vocabulary-parallel embedding on the first stage; one backward
+    and three token-sized for a vocabulary-parallel head and loss on the last)."""
+    blocks = model.get_submodule(stages.blocks_path)
+    last = stages.num_stages - 1
+    embedding = _has(model, stages.pre, nn.Embedding, dims.vocab)
+    head = _has(model, stages.post, nn.Linear, dims.vocab)
+    flops, forward, backward, loss = [], [], [], []
+    for s, block_range in enumerate(stages.stage_blocks):
+        f = sum(2 * _linear_weights(blocks[i]) + 4 * seq * dims.hidden for i in block_range)
+        if s == 0:
+            f += sum(2 * _linear_weights(model.get_submodule(n)) for n in stages.pre)
+        if s == last:
+            f += sum(2 * _linear_weights(model.get_submodule(n)) for n in stages.post)
+        flops.append(f)
+        forward.append(2 * len(block_range) + int(s == 0 and embedding))
+        backward.append(2 * len(block_range) + int(s == last and head))
+        loss.append(3 if s == last and head else 0)
+    return StageWork(flops, forward, backward, loss)
+
+
+def _crosses_nodes(ranks: list[int], devices_per_node: int) -> bool:
+    return len({r // devices_per_node for r in ranks}) > 1
+
+
+def predict(candidate: Candidate, work: StageWork, dims: TransformerDims, cluster: Cluster, seq: int,
+            precision: str) -> Prediction:
+    """The step time of ``candidate``, whose split asks ``work`` (``stage_work``) of its stages; see
+    the module docstring for the model of it."""
+    lay, rates = candidate.layout, cluster.rates
+    p_bytes, g_bytes, _, a_bytes = precision_bytes(precision)
+    tokens = seq * candidate.replica_batch // lay.micro_batches  # per micro-batch
+    mesh = ParallelMesh(cluster.world, tensor_parallel=lay.tp, pipeline_parallel=lay.pp, data_parallel=lay.dp)
+    # the stage that paces the pipeline: the slowest, or the mean one when cores are shared
+    pace = (lambda xs: sum(xs) / len(xs)) if cluster.shared_compute else max
+
+    forward = pace(work.flops_per_token) * tokens / lay.tp / rates.flops
+    activation = tokens * dims.hidden * a_bytes
+    one, through = ring_allreduce(activation, lay.tp, rates.intra_bandwidth, rates.latency)
+    small = ring_allreduce(tokens * 4, lay.tp, rates.intra_bandwidth, rates.latency)[0]
+    tp_forward = pace([n * one + k * small for n, k in zip(work.forward_allreduces, work.loss_allreduces)])
+    tp_backward = pace(work.backward_allreduces) * one
+    recompute = forward if lay.recompute else 0.0
+    tp_recompute = tp_forward if lay.recompute else 0.0
+    # point to point: one message each way per micro-batch and stage boundary
+    across = _crosses_nodes(mesh.pp_groups()[0], cluster.devices_per_node)
+    link = rates.inter_bandwidth if across else rates.intra_bandwidth
+    p2p = (activation / link + rates.latency) if lay.pp > 1 else 0.0
+
+    f_cost = forward + tp_forward + p2p
+    b_cost = forward + recompute + tp_backward + tp_recompute + p2p  # input gradient
+    w_cost = forward  # weight gradient
+    actions = actions_of(lay)
+    per_rank = lay.micro_batches * lay.virtual_stages  # compute units of one rank per step
+    if actions is None:
+        pipeline_time, bubble = f_cost + b_cost + w_cost, 0.0
+    else:
+        # a B without its own W action (an unsplit backward) costs b_cost + w_cost there
+        sim = simulate([list(a) for a in actions], forward_cost=f_cost, backward_cost=b_cost, weight_cost=w_cost)
+        pipeline_time, bubble = sim.step_time, sim.bubble_fraction
+        if cluster.shared_compute:  # the idle ranks' cores run the busy ones: only the work counts
+            pipeline_time = per_rank * (f_cost + b_cost + w_cost)
+
+    # data parallelism: every gradient this device holds, once per step; ZeRO-1 moves the same
+    # bytes as a reduce-scatter of gradients and an all-gather of parameters
+    held = max(m.params for m in candidate.memory)
+    dp_across = _crosses_nodes(mesh.dp_groups()[0], cluster.devices_per_node)
+    dp_bandwidth = rates.inter_bandwidth if dp_across else rates.intra_bandwidth
+    dp_bytes = held * (g_bytes + p_bytes) / 2 if lay.zero else held * g_bytes
+    buckets = math.ceil(held * g_bytes / BUCKET_BYTES)
+    dp_time, dp_through = ring_allreduce(dp_bytes, lay.dp, dp_bandwidth, rates.latency * buckets)
+    optimizer = held / (lay.dp if lay.zero else 1) / rates.optimizer
+
+    compute = per_rank * (3 * forward + recompute)
+    tp_time = per_rank * (tp_forward + tp_backward + tp_recompute)
+    allreduces = pace([f + b for f, b in zip(work.forward_allreduces, work.backward_allreduces)])
+    tp_bytes = per_rank * allreduces * (1.5 if lay.recompute else 1) * through
+    p2p_bytes = per_rank * 2 * activation if lay.pp > 1 else 0.0
+    return Prediction(pipeline_time + dp_time + optimizer, compute, tp_time, per_rank * 2 * p2p, bubble,
+                      dp_time, optimizer, tp_bytes + p2p_bytes + dp_through)

@@ -1,0 +1,265 @@
+"""Every layout a world of ``nodes x devices_per_node`` processes can train a model with.
+
+A layout is the TP size (a divisor of the devices per node that the model's TP plan accepts: heads,
+KV heads, vocabulary), the PP size (at most one stage per block), DP taking the processes left, the
+micro-batches per replica batch, the pipeline schedule, ZeRO-1 on or off and activation
+checkpointing on or off. Every schedule in ``pipeline.schedules.SCHEDULES`` is tried with one and
+with two model chunks per rank and kept where ``validate`` accepts it, so a schedule added there is
+searched without a change here. Memory per device comes from ``estimate.estimate_memory``; the
+layouts whose busiest device does not fit are kept apart, to say what would fit when none does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Optional
+
+from torch import nn
+
+from lightning_parallel.estimate import RankMemory, estimate_memory, parameters_per_rank, tp_sharded_parameters
+from lightning_parallel.mesh import ParallelMesh
+from lightning_parallel.pipeline.errors import PipelineConfigError, PipelineIncompatibleModel
+from lightning_parallel.pipeline.partition import StagePlan, find_blocks
+from lightning_parallel.pipeline.placement import placement_of
+from lightning_parallel.pipeline.schedules import SCHEDULES, Action, all_ranks, validate
+from lightning_parallel.pipeline.simulator import simulate
+from lightning_parallel.slurm_checks import LaunchConfigError, check_model
+from lightning_parallel.tensor_parallel.resolve import divisors
+
+# model chunks per rank tried for every schedule: one (GPipe, 1F1B, ZB-H1) or two (interleaved, V-shaped)
+CHUNKS = (1, 2)
+# at most this many micro-batches per pipeline stage: the 1F1B bubble (P - 1) / (M + P - 1) is below
+# 11 % at M = 8P (Narayanan et al. 2021, arXiv 2104.04473 §3.2), while the cost model charges
+# nothing for the slower matmuls and per-micro-batch overheads of smaller micro-batches
+MICRO_BATCHES_PER_STAGE = 8
+
+
+@dataclass(frozen=True)
+class Rates:
+    """How fast one device computes and its links move bytes (measured or nominal: ``calibrate``)."""
+
+    flops: float  # sustained matmul FLOP/s of one device while all devices compute
+    intra_bandwidth: float  # all-reduce bus bandwidth inside a node, bytes/s
+    inter_bandwidth: float  # the same across nodes, bytes/s
+    latency: float  # seconds per message (per ring step of a collective)
+    optimizer: float  # parameters per second an AdamW step updates
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """What the search needs to know of the machines."""
+
+    nodes: int
+    devices_per_node: int
+    device_memory: float  # bytes usable by one process
+    rates: Rates
+    # the devices of a node are processes on the same CPU cores: while one waits another runs,
+    # so a pipeline's idle time is not lost (the rates are then measured with all of them busy)
+    shared_compute: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.devices_per_node
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the model; ``schedule`` is None without pipelining."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batches: int = 1
+    schedule: Optional[str] = None
+    virtual_stages: int = 1
+    zero: bool = False
+    recompute: bool = False
+
+    def describe(self) -> str:
+        parts = [f"tp={self.tp} pp={self.pp} dp={self.dp}"]
+        if self.pp > 1:
+            chunks = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+            parts.append(f"{self.schedule}{chunks} m={self.micro_batches}")
+        if self.zero:
+            parts.append("zero1")
+        if self.recompute:
+            parts.append("recompute")
+        return " ".join(parts)
+
+    def options(self) -> dict:
+        """The ``ParallelStrategy`` arguments of this layout (activation checkpointing is the model's)."""
+        chosen = {"tensor_parallel": self.tp, "pipeline_parallel": self.pp, "data_parallel": self.dp,
+                  "zero_stage": int(self.zero), "micro_batches": None, "virtual_stages": 1}
+        if self.pp > 1:
+            chosen.update(micro_batches=self.micro_batches, schedule=self.schedule, virtual_stages=self.virtual_stages)
+        return chosen
+
+    def overrides(self) -> list[str]:
+        """The ``lp-train strategy=auto`` overrides that pin this layout (a search with one candidate)."""
+        return [f"strategy.{k}={'null' if v is None else v}" for k, v in self.options().items()]
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """Sizes the user fixed; None leaves them to the search."""
+
+    tp: Optional[int] = None
+    pp: Optional[int] = None
+    dp: Optional[int] = None
+    micro_batches: Optional[int] = None
+    schedule: Optional[str] = None
+    virtual_stages: Optional[int] = None
+    zero: Optional[bool] = None
+    recompute: tuple[bool, ...] = (False, True)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The training step: sequences per optimizer step and their length, and the number format.
+
+    Give ``global_batch`` (split over the DP replicas, as ``lp-plan --search`` does) or
+    ``replica_batch`` (each replica reads that many, as a Lightning loader's ``batch_size`` means).
+    """
+
+    seq: int
+    precision: str = "32-true"
+    global_batch: Optional[int] = None
+    replica_batch: Optional[int] = None
+    tp_plan: Optional[dict] = None
+    sequence_parallel: bool = False
+    pipeline_blocks: Optional[str] = None
+
+    def batch_per_replica(self, dp: int) -> Optional[int]:
+        if self.replica_batch is not None:
+            return self.replica_batch
+        return self.global_batch // dp if self.global_batch % dp == 0 else None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout with the split it implies and its memory per device."""
+
+    layout: Layout
+    replica_batch: int
+    stages: Optional[StagePlan]
+    memory: tuple[RankMemory, ...]
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(m.total_bytes for m in self.memory)
+
+
+@lru_cache(maxsize=4096)
+def schedule_actions(name: str, stages: int, micro_batches: int, virtual_stages: int) -> Optional[tuple]:
+    """Every rank's actions for ``name``, or None where the schedule refuses these sizes."""
+    try:
+        ranks = all_ranks(name, stages, micro_batches, virtual_stages)
+        validate(ranks, micro_batches)
+    except PipelineConfigError:
+        return None
+    return tuple(tuple(r) for r in ranks)
+
+
+def pipeline_options(pp: int, replica_batch: int, blocks: int, fixed: Constraints) -> list[tuple[int, str | None, int]]:
+    """(micro-batches, schedule, chunks per rank) for ``pp`` stages; one unpipelined option at pp = 1."""
+    if pp == 1:
+        return [(1, None, 1)]
+    counts = [m for m in divisors(replica_batch) if min(pp, replica_batch) <= m <= MICRO_BATCHES_PER_STAGE * pp]
+    if fixed.micro_batches is not None:
+        counts = [fixed.micro_batches] if replica_batch % fixed.micro_batches == 0 else []
+    names = SCHEDULES if fixed.schedule is None else (fixed.schedule,)
+    chunks = CHUNKS if fixed.virtual_stages is None else (fixed.virtual_stages,)
+    return [
+        (m, name, v)
+        for m in counts
+        for name in names
+        for v in chunks
+        if pp * v <= blocks and schedule_actions(name, pp, m, v) is not None
+    ]
+
+
+def enumerate_layouts(model: nn.Module, cluster: Cluster, work: Workload,
+                      fixed: Constraints = Constraints()) -> list[Candidate]:
+    """Every layout of ``cluster`` the model splits into, fitting device memory or not (sorted by
+    nothing in particular: ``search`` ranks them). ``model`` may live on the meta device."""
+    try:
+        blocks = len(find_blocks(model, work.pipeline_blocks)[1])
+    except (PipelineConfigError, PipelineIncompatibleModel):
+        blocks = 1  # not pipelined
+    world = cluster.world
+    splits: dict = {}  # (tp, pp, chunks) -> TP assignments and stages, or None
+    held: dict = {}  # (tp, pp, chunks) -> parameters per pipeline rank
+    found: list[Candidate] = []
+    for tp in divisors(cluster.devices_per_node):
+        if world % tp or (fixed.tp is not None and tp != fixed.tp):
+            continue
+        for pp in divisors(world // tp):
+            dp = world // (tp * pp)
+            if pp > blocks or (fixed.pp is not None and pp != fixed.pp) or (fixed.dp is not None and dp != fixed.dp):
+                continue
+            replica_batch = work.batch_per_replica(dp)
+            if replica_batch is None:
+                continue
+            for micro_batches, schedule, chunks in pipeline_options(pp, replica_batch, blocks, fixed):
+                where = (tp, pp, chunks, placement_of(schedule or "1f1b"))
+                split = _split(model, world, where, work, splits)
+                if split is None or split[1] is None:
+                    continue
+                if where not in held:
+                    assignments, stages = split
+                    held[where] = parameters_per_rank(model, stages, tp_sharded_parameters(assignments), tp)
+                base = Layout(tp, pp, dp, micro_batches, schedule, chunks)
+                for zero in _choices(fixed.zero, dp):
+                    for recompute in fixed.recompute:
+                        layout = replace(base, zero=zero, recompute=recompute)
+                        found.append(_candidate(model, layout, replica_batch, split, held[where], work))
+    return found
+
+
+def _choices(zero: Optional[bool], dp: int) -> tuple[bool, ...]:
+    if dp == 1:
+        return (False,)  # nothing to shard the optimizer over
+    return (False, True) if zero is None else (zero,)
+
+
+def _split(model: nn.Module, world: int, where: tuple[int, int, int, str], work: Workload, splits: dict):
+    """TP assignments and stages of ``model`` at ``(tp, pp, chunks per rank, stage placement)``, or None
+    where it does not split so."""
+    if where not in splits:
+        tp, pp, chunks, placement = where
+        mesh = ParallelMesh(world, tensor_parallel=tp, pipeline_parallel=pp)
+        try:
+            splits[where] = check_model(model, mesh, work.tp_plan, work.sequence_parallel, work.pipeline_blocks,
+                                        chunks, placement=placement)
+        except LaunchConfigError:
+            splits[where] = None
+    return splits[where]
+
+
+@lru_cache(maxsize=4096)
+def peak_in_flight(name: Optional[str], stages: int, micro_batches: int, virtual_stages: int) -> list[int]:
+    """Micro-batches each rank holds at most (one without pipelining)."""
+    if stages == 1:
+        return [1]
+    return simulate([list(r) for r in schedule_actions(name, stages, micro_batches, virtual_stages)]).peak_in_flight
+
+
+def _candidate(model: nn.Module, layout: Layout, replica_batch: int, split, params: list[int],
+               work: Workload) -> Candidate:
+    assignments, stages = split
+    memory = tuple(estimate_memory(
+        model, stages, tp_sharded_parameters(assignments), layout.tp, work.seq,
+        replica_batch // layout.micro_batches, layout.micro_batches, layout.schedule or "1f1b",
+        work.sequence_parallel, work.precision, zero_shards=layout.dp if layout.zero else 1,
+        recompute=layout.recompute, params=params,
+        in_flight=peak_in_flight(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages),
+    ))
+    return Candidate(layout, replica_batch, stages, memory)
+
+
+def actions_of(layout: Layout) -> Optional[tuple[tuple[Action, ...], ...]]:
+    """The validated rank schedules of a pipelined layout (None without pipelining)."""
+    if layout.pp == 1:
+        return None
+    return schedule_actions(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages)
