@@ -450,7 +450,9 @@ class ParallelStrategy(_LightningParallelStrategy):
         save_sharded(self, checkpoint, filepath)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict:
-        if self.zero is not None:  # the unsharded optimizer's state, gathered on data-parallel rank 0
+        if self.zero is not None and self.is_model_split:  # each rank saves its own slices (checkpoint/dcp.py)
+            return self.zero.local_state_dict(optimizer)
+        if self.zero is not None:  # the unsharded optimizer's state for a plain file, gathered on data-parallel rank 0
             return self.zero.state_dict(optimizer)
         return super().optimizer_state(optimizer)
 

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lightning_parallel.checkpoint import consolidate
-from lightning_parallel.checkpoint.chunks import tp_chunks
+from lightning_parallel.checkpoint.chunks import chunk_view, slice_chunks, tp_chunks
 from lightning_parallel.checkpoint.dcp import METADATA, local_target, read_chunks, read_metadata, save_chunks
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.tensor_parallel.shard import TPShard, slice_shard
@@ -101,6 +101,29 @@ def test_tp2_pp2_checkpoint_converts_with_dcp_to_torch_save_into_the_unsplit_sta
     x, y = DATASET[HALF * GLOBAL_BATCH:(HALF + 1) * GLOBAL_BATCH]
     with torch.no_grad():
         assert model._loss((x, y)).item() == pytest.approx(reference["losses"][HALF], abs=LOSS_TOL["atol"])
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 3])
+def test_zero1_slices_of_tp_shards_are_chunks_that_tile_the_global_tensor_once(tp_size):
+    """Every TP shard of the tensors of ``FULL`` (and of a 3-d one), flattened and cut into ranges
+    as ZeRO-1 cuts buckets, gives chunks that hold exactly the global elements of their range: over
+    all ranks and ranges, each element of the global tensor once, with its value."""
+    tensors = {**FULL, "cube": (torch.randn(3, 4, 5, generator=_g), None)}
+    for name, (full, shard) in tensors.items():
+        if shard is not None and shard.full_size is None and full.shape[shard.dim] % (tp_size * shard.fused):
+            continue
+        seen = torch.zeros(full.shape, dtype=torch.int64)
+        for tp_rank in range(tp_size if shard is not None else 1):  # a replicated tensor: each TP rank holds it all
+            local = slice_shard(full, shard, tp_rank, tp_size) if shard is not None else full.clone()
+            n = local.numel()
+            cuts = sorted({0, n, 1, n // 3, n // 2 + 1, n - 2} & set(range(n + 1)))  # rows cut anywhere
+            for begin, end in zip(cuts, cuts[1:]):
+                flat = local.reshape(-1)[begin:end].clone()
+                for chunk in slice_chunks(tuple(full.shape), shard, tp_rank, tp_size, begin, end - begin):
+                    box = tuple(slice(o, o + size) for o, size in zip(chunk.offsets, chunk.sizes))
+                    assert torch.equal(chunk_view(flat, chunk), full[box]), (name, tp_rank, begin, end, chunk)
+                    seen[box] += 1
+        assert torch.equal(seen, torch.ones_like(seen)), name
 
 
 class _CountedFile(io.RawIOBase):

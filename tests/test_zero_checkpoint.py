@@ -1,5 +1,10 @@
 """ZeRO-1 checkpoints: saved like any other checkpoint, resumed with or without ZeRO, on any layout.
 
+A plain checkpoint file gets the optimizer state gathered on data-parallel rank 0; a folder in DCP
+format (a split model) gets each rank's own slices, with no gather: the tests that write one run
+with the gather disabled in every rank, and compare what plain DCP tools read from it with what a
+run without ZeRO saves.
+
 The runs, data and tolerances are those of ``test_checkpoint.py`` (the tiny GPT, 6 steps, step s
 reads global batch s, AdamW with two parameter groups). Resuming on the SAME layout repeats the same
 float32 arithmetic, so it must be bit-identical; resuming across ZeRO / non-ZeRO or another layout
@@ -18,9 +23,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from test_checkpoint import (
     DATASET, GLOBAL_BATCH, HALF, LOSS_TOL, STEPS, StepData, assert_continues, half_run, tiny_gpt, train,
 )
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lightning_parallel import ParallelStrategy
 from lightning_parallel.checkpoint.consolidate import main as consolidate_main
+from lightning_parallel.checkpoint.dcp import OPTIMIZER_PREFIX, read_metadata
+from lightning_parallel.data_parallel.zero import ZeroOneSharding
 
 # small buckets: the GPT's 53k parameters spread over 26 buckets, many cut between the two ranks' slices
 ZERO = dict(zero_stage=1, bucket_size_mb=0.01)
@@ -36,6 +44,52 @@ def reference(tmp_path_factory) -> dict:
 def zero_checkpoint(tmp_path_factory):
     """A plain checkpoint file written by DP2 with ZeRO-1 after HALF steps."""
     return half_run(tmp_path_factory.mktemp("zero"), devices=2, **ZERO)
+
+
+def _gather(*args, **kwargs):
+    raise AssertionError("a rank gathered other ranks' optimizer slices to save a checkpoint folder")
+
+
+@pytest.fixture(scope="module")
+def zero_tp2dp2_checkpoint(tmp_path_factory):
+    """A folder written by TP2 x DP2 with ZeRO-1 after HALF steps, the gather of optimizer slices
+    disabled in every rank (the forked ranks inherit the patch)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ZeroOneSharding, "state_dict", _gather)
+        return half_run(tmp_path_factory.mktemp("zero_tp2dp2"), devices=4, tp=2, **ZERO)
+
+
+@pytest.fixture(scope="module")
+def tp2dp2_checkpoint(tmp_path_factory):
+    """The same run without ZeRO."""
+    return half_run(tmp_path_factory.mktemp("tp2dp2"), devices=4, tp=2)
+
+
+@pytest.mark.timeout(90)
+def test_zero1_ranks_write_their_own_slices_which_dcp_tools_read_as_the_state_without_zero(
+        tmp_path, zero_tp2dp2_checkpoint, tp2dp2_checkpoint):
+    metadata = read_metadata(zero_tp2dp2_checkpoint)
+    files = {}  # file -> optimizer chunks in it
+    for index, stored in metadata.storage_data.items():
+        if index.fqn.startswith(OPTIMIZER_PREFIX):
+            files[stored.relative_path] = files.get(stored.relative_path, 0) + 1
+    assert sorted(files) == [f"__{r}_0.distcp" for r in range(4)], files  # every rank wrote a part of the state
+    zero, plain = tmp_path / "zero.pt", tmp_path / "plain.pt"
+    dcp_to_torch_save(zero_tp2dp2_checkpoint, zero)
+    dcp_to_torch_save(tp2dp2_checkpoint, plain)
+    zero, plain = torch.load(zero, weights_only=False), torch.load(plain, weights_only=False)
+    assert zero.keys() == plain.keys()
+    assert any(k.startswith(OPTIMIZER_PREFIX) and k.endswith(".exp_avg") for k in zero)
+    for key, value in plain.items():
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(zero[key], value, atol=1e-6, rtol=0, msg=lambda m: f"{key}: {m}")
+        else:
+            assert zero[key] == value, key
+
+
+@pytest.mark.timeout(90)
+def test_tp2dp2_folder_without_zero_resumes_on_pp2dp2_with_zero1(tmp_path, tp2dp2_checkpoint, reference):
+    assert_continues(train(tmp_path, devices=4, pp=2, ckpt_path=tp2dp2_checkpoint, **ZERO), reference)
 
 
 @pytest.mark.timeout(90)
@@ -76,25 +130,28 @@ def test_plain_dp_checkpoint_resumes_with_zero1(tmp_path, reference):
     assert_continues(train(tmp_path / "zero", devices=2, ckpt_path=checkpoint, **ZERO), reference)
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("saved, resumed", [((4, 2, 1), (4, 1, 2, 1)), ((4, 1, 2), (2, 1, 1, 0))],
-                         ids=["tp2dp2-to-pp2dp2-zero1", "pp2dp2-to-dp2"])
-def test_zero1_sharded_folder_resumes_on_another_layout(tmp_path, reference, saved, resumed):
-    """A ZeRO-1 run on TP2 x DP2 or PP2 x DP2 writes a folder of pieces; another layout resumes it,
-    and so does one device from its consolidation.
-
-    ``saved`` is (devices, tp, pp), ``resumed`` (devices, tp, pp, zero_stage)."""
-    devices, tp, pp = saved
-    checkpoint = half_run(tmp_path / "saved", devices=devices, tp=tp, pp=pp, **ZERO)
+def _resumes_and_consolidates(tmp_path, checkpoint, reference, devices, tp, pp, zero_stage):
+    """Another layout resumes ``checkpoint`` (with other buckets: ``bucket_size_mb``), and so does
+    one device from its consolidation."""
     assert checkpoint.is_dir()
-    devices, tp, pp, zero_stage = resumed
     records = train(tmp_path / "resumed", devices, tp, pp, ckpt_path=checkpoint, zero_stage=zero_stage,
-                    bucket_size_mb=0.02)  # another bucket layout than the saving run
+                    bucket_size_mb=0.02)
     assert_continues(records, reference)
-    # and consolidated into one plain file, it resumes on one device
     plain = tmp_path / "plain.ckpt"
     consolidate_main([str(checkpoint), str(plain)])
     assert_continues(train(tmp_path / "one", ckpt_path=plain), reference)
+
+
+@pytest.mark.timeout(120)
+def test_zero1_tp2dp2_folder_resumes_on_pp2dp2_with_zero1_and_other_buckets(tmp_path, reference,
+                                                                           zero_tp2dp2_checkpoint):
+    _resumes_and_consolidates(tmp_path, zero_tp2dp2_checkpoint, reference, devices=4, tp=1, pp=2, zero_stage=1)
+
+
+@pytest.mark.timeout(120)
+def test_zero1_pp2dp2_folder_resumes_on_dp2_without_zero(tmp_path, reference):
+    checkpoint = half_run(tmp_path / "saved", devices=4, pp=2, **ZERO)
+    _resumes_and_consolidates(tmp_path, checkpoint, reference, devices=2, tp=1, pp=1, zero_stage=0)
 
 
 @pytest.mark.timeout(90)

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from lightning_parallel.checkpoint.format import local_shape
 from lightning_parallel.tensor_parallel.shard import TPShard, padded_size
 
 
@@ -26,12 +27,15 @@ class Chunk:
     offsets, sizes: the box in the global tensor.
     dim, local: the split dimension and the box's offset along it in the local shard (the box
         spans the local shard along every other dimension).
+    strided: for a flat slice of the local shard (ZeRO-1), where the box's first element is in the
+        slice and the local shard's strides, which step through the box's other elements.
     """
 
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     dim: int = 0
     local: int = 0
+    strided: Optional[tuple[int, tuple[int, ...]]] = None  # (start, strides) in a flat slice instead
 
 
 def tp_chunks(shape: tuple[int, ...], shard: Optional[TPShard], tp_rank: int, tp_size: int) -> list[Chunk]:
@@ -53,8 +57,54 @@ def tp_chunks(shape: tuple[int, ...], shard: Optional[TPShard], tp_rank: int, tp
     return chunks
 
 
+def slice_chunks(shape: tuple[int, ...], shard: Optional[TPShard], tp_rank: int, tp_size: int,
+                 begin: int, length: int) -> list[Chunk]:
+    """The chunks of the global tensor of ``shape`` held by elements ``[begin, begin + length)`` of
+    the flattened local shard of TP rank ``tp_rank`` (a ZeRO-1 slice), each ``strided`` in the slice."""
+    shard_shape = local_shape(shape, shard, tp_size)
+    strides = [1] * len(shard_shape)
+    for d in range(len(shard_shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shard_shape[d + 1]
+    chunks = []
+    for tp in tp_chunks(shape, shard, tp_rank, tp_size):
+        # the TP chunk as a box of the local shard: it spans every dimension but ``dim``
+        low = [0] * len(shape)
+        if shape:
+            low[tp.dim] = tp.local
+        for start, size in _range_boxes(shard_shape, begin, begin + length):
+            lo = [max(a, b) for a, b in zip(start, low)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(start, size, low, tp.sizes)]
+            if any(h <= l for l, h in zip(lo, hi)):
+                continue
+            offsets = tuple(o + l - b for o, l, b in zip(tp.offsets, lo, low))
+            first = sum(l * s for l, s in zip(lo, strides)) - begin
+            chunks.append(Chunk(offsets, tuple(h - l for l, h in zip(lo, hi)), strided=(first, tuple(strides))))
+    return chunks
+
+
+def _range_boxes(shape: tuple[int, ...], a: int, b: int) -> list[tuple[list[int], list[int]]]:
+    """Elements ``[a, b)`` of a row-major tensor of ``shape`` as boxes (start, size)."""
+    if a >= b:
+        return []
+    if not shape:
+        return [([], [])]
+    row = 1
+    for n in shape[1:]:
+        row *= n
+    first, last = -(-a // row), b // row  # the whole rows are [first, last)
+    if first > last:  # inside one row
+        return [([a // row, *s], [1, *n]) for s, n in _range_boxes(shape[1:], a % row, b % row)]
+    head = [([first - 1, *s], [1, *n]) for s, n in _range_boxes(shape[1:], a % row, row)] if a % row else []
+    whole = [([first, *[0] * (len(shape) - 1)], [last - first, *shape[1:]])] if last > first else []
+    tail = [([last, *s], [1, *n]) for s, n in _range_boxes(shape[1:], 0, b % row)]
+    return head + whole + tail
+
+
 def chunk_view(local: torch.Tensor, chunk: Chunk) -> torch.Tensor:
     """The part of the local shard ``local`` that holds ``chunk`` (a view)."""
+    if chunk.strided is not None:
+        start, strides = chunk.strided
+        return local.as_strided(chunk.sizes, strides, local.storage_offset() + start)
     if local.dim() == 0:
         return local
     return local.narrow(chunk.dim, chunk.local, chunk.sizes[chunk.dim])

@@ -6,7 +6,9 @@ format, readable by its own tools such as ``format_utils.dcp_to_torch_save``):
 - every model tensor under its name in the unsplit model and its global shape;
 - optimizer ``i``'s state of parameter ``name`` as ``optimizer.<i>.state.<name>.<key>`` (Adam's
   ``exp_avg``, ``exp_avg_sq``: the parameter's global shape; ``step``: a scalar), by the
-  parameter's first name in the unsplit model (a weight tied across stages has one entry);
+  parameter's first name in the unsplit model (a weight tied across stages has one entry); under
+  ZeRO-1 each data-parallel rank writes, and reads back, only its own slice of those states
+  (``chunks.slice_chunks``), so no rank gathers another's;
 - ``lightning_parallel.pp<p>-tp<t>``: what pipeline rank p and TP rank t list of their parameters
   (their place in the unsplit model's order, optimizer groups), used by ``lp-consolidate``.
 
@@ -34,7 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-from lightning_parallel.checkpoint.chunks import Chunk, tp_chunks
+from lightning_parallel.checkpoint.chunks import Chunk, slice_chunks, tp_chunks
 from lightning_parallel.checkpoint.format import Layout, local_shape
 from lightning_parallel.checkpoint.planner import (
     ChunkedTensors,
@@ -63,12 +65,15 @@ def piece_key(pp_rank: int, tp_rank: int) -> str:
 # ---- what a rank writes ------------------------------------------------------------------------
 def chunked_state(tensors: dict[str, torch.Tensor], layouts: dict[str, Layout],
                   optimizers: list[dict[str, Any]], param_layouts: dict[str, Layout],
-                  tp_rank: int, tp_size: int) -> tuple[ChunkedTensors, dict[str, Any]]:
+                  tp_rank: int, tp_size: int, slices: dict[str, tuple[int, int]]
+                  ) -> tuple[ChunkedTensors, dict[str, Any]]:
     """This rank's model tensors and optimizer states (by name: ``format.name_optimizer_state``) as
     chunks of global tensors, and the non-tensor optimizer state as objects, under their DCP keys.
 
-    An optimizer state shaped like the parameter's local shard is split like the parameter; any
-    other tensor (``step``) is whole on every rank that holds it.
+    An optimizer state shaped like the parameter's local shard is split like the parameter; under
+    ZeRO-1, parameter ``name`` in ``slices`` (begin, length) has its state as that range of the
+    flattened local shard (``chunks.slice_chunks``); any other tensor (``step``) is whole on every
+    rank that holds it.
     """
     chunked: ChunkedTensors = {}
     for name, tensor in tensors.items():
@@ -82,6 +87,8 @@ def chunked_state(tensors: dict[str, torch.Tensor], layouts: dict[str, Layout],
                 fqn = optimizer_key(index, name, key)
                 if not isinstance(value, torch.Tensor):
                     objects[fqn] = value
+                elif name in slices and tuple(value.shape) == (slices[name][1],):
+                    chunked[fqn] = (value, shape, slice_chunks(shape, shard, tp_rank, tp_size, *slices[name]))
                 elif shard is not None and tuple(value.shape) == local_shape(shape, shard, tp_size):
                     chunked[fqn] = (value, shape, tp_chunks(shape, shard, tp_rank, tp_size))
                 else:
@@ -147,6 +154,17 @@ def local_target(metadata: Metadata, fqn: str, layout: Optional[Layout], tp_rank
     shape, shard = layout if layout is not None and tuple(layout[0]) == tuple(md.size) else (tuple(md.size), None)
     local = torch.zeros(local_shape(shape, shard, tp_size), dtype=md.properties.dtype)
     return local, shape, tp_chunks(shape, shard, tp_rank, tp_size)
+
+
+def slice_target(metadata: Metadata, fqn: str, layout: Layout, tp_rank: int, tp_size: int,
+                 begin: int, length: int) -> tuple[torch.Tensor, tuple[int, ...], list[Chunk]]:
+    """An empty ZeRO-1 slice ``[begin, begin + length)`` of the flattened local shard for ``fqn``, a
+    state of the parameter of ``layout``; padding rows stay zero."""
+    md = metadata.state_dict_metadata[fqn]
+    assert isinstance(md, TensorStorageMetadata) and tuple(md.size) == tuple(layout[0]), fqn
+    shape, shard = layout
+    return (torch.zeros(length, dtype=md.properties.dtype), shape,
+            slice_chunks(shape, shard, tp_rank, tp_size, begin, length))
 
 
 def read_chunks(folder: Path, metadata: Metadata, targets: ChunkedTensors, objects: list[str],

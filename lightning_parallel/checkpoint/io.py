@@ -136,8 +136,13 @@ def save_sharded(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> No
         for state, opt in zip(optimizer_states, strategy.optimizers, strict=True)
     ]
     layouts = _layouts(module, tensors, mesh.tp_size)
-    chunked, objects = dcp.chunked_state(tensors, layouts, named, _parameter_layouts(module, names, layouts),
-                                         mesh.tp_rank, mesh.tp_size)
+    param_layouts = _parameter_layouts(module, names, layouts)
+    slices = _zero_slices(strategy, names)
+    if slices:  # ZeRO-1: each rank holds its own slices (``ZeroOneSharding.local_state_dict``)
+        for name in _slices_written_elsewhere(strategy, names, param_layouts):
+            for n in named:
+                n["state"].pop(name, None)
+    chunked, objects = dcp.chunked_state(tensors, layouts, named, param_layouts, mesh.tp_rank, mesh.tp_size, slices)
     objects[dcp.piece_key(mesh.pp_rank, mesh.tp_rank)] = {
         "order": _stage_order(module, strategy.pipeline, names),
         "groups": [[group["params"] for group in n["param_groups"]] for n in named],
@@ -157,6 +162,25 @@ def save_sharded(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> No
         return [META_FILE]
 
     save_pieces(path, lambda folder: dcp.save_chunks(folder, chunked, objects), finish, strategy.global_rank == 0)
+
+
+def _zero_slices(strategy: Any, names: dict[int, str]) -> dict[str, tuple[int, int]]:
+    """Under ZeRO-1, ``name -> (begin, length)`` of this rank's slice of every sharded parameter."""
+    if strategy.zero is None:
+        return {}
+    return {names[id(p)]: where for p, where in strategy.zero.slices().items()}
+
+
+def _slices_written_elsewhere(strategy: Any, names: dict[int, str], param_layouts: dict[str, Any]) -> set[str]:
+    """Parameters whose optimizer slices another rank writes: a weight shared by pipeline stages is
+    written by its first stage, a weight replicated over TP ranks by TP rank 0. Their other holders
+    may cut them into other slices (other buckets), and DCP needs the saved chunks not to overlap."""
+    mesh = strategy.mesh
+    tied = strategy.pipeline.tied if strategy.pipeline is not None else []
+    skipped = {names[id(p)] for p, _, ranks in tied if mesh.pp_rank != min(ranks)}
+    if mesh.tp_rank > 0:
+        skipped |= {name for name, (_, shard) in param_layouts.items() if shard is None}
+    return skipped
 
 
 def _parameter_layouts(module: nn.Module, names: dict[int, str], layouts: dict[str, Any]) -> dict[str, Any]:
@@ -284,7 +308,7 @@ def load_sharded(strategy: Any, filepath: Any, weights_only: Optional[bool] = No
     if dcp.is_dcp_checkpoint(path):
         state_dict, optimizer_states = _read_dcp(path, metadata, strategy, [n for n in local if n in saved], layouts,
                                                  param_layouts, local_names if with_optimizers else [],
-                                                 saved_optimizers)
+                                                 saved_optimizers, _zero_slices(strategy, names))
     else:
         state_dict = {
             n: local_tensor(full_tensor(n, pieces), layouts[n][1], tp_rank, tp_size) for n in local if n in saved
@@ -325,28 +349,39 @@ def _agree_on_problems(problems: list[str], path: Path, device: torch.device) ->
 
 def _read_dcp(path: Path, metadata: Any, strategy: Any, tensor_names: list[str], layouts: dict[str, Any],
               param_layouts: dict[str, Any], local_names: list[list[list[str]]],
-              saved_optimizers: list[dict[str, Any]]) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
-    """This rank's tensors and the torch state dict of each optimizer, read from the chunks it needs."""
+              saved_optimizers: list[dict[str, Any]], slices: dict[str, tuple[int, int]]
+              ) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """This rank's tensors and the torch state dict of each optimizer, read from the chunks it needs.
+
+    Under ZeRO-1 a parameter in ``slices`` gets only this rank's slice of its parameter-shaped
+    states, read by this rank alone; everything else its data-parallel replicas need too, so they
+    share the reads."""
     mesh = strategy.mesh
     tp_rank, tp_size = mesh.tp_rank, mesh.tp_size
     targets = {n: dcp.local_target(metadata, n, layouts[n], tp_rank, tp_size) for n in tensor_names}
     state_dict = {n: targets[n][0] for n in tensor_names}
     entries = dcp.optimizer_entries(metadata)
     states: list[dict[str, dict[str, Any]]] = []
+    own: dcp.ChunkedTensors = {}  # ZeRO-1 slices
     objects: list[tuple[dict[str, Any], str, str]] = []  # (state, key, DCP key) of non-tensor values
     for index, group_names in enumerate(local_names):
         state: dict[str, dict[str, Any]] = {}
         for name in (n for group in group_names for n in group):
             for key, fqn in entries.get((index, name), {}).items():
                 entry = state.setdefault(name, {})
-                if isinstance(metadata.state_dict_metadata[fqn], BytesStorageMetadata):
+                md = metadata.state_dict_metadata[fqn]
+                if isinstance(md, BytesStorageMetadata):
                     objects.append((entry, key, fqn))
+                elif name in slices and tuple(md.size) == tuple(param_layouts[name][0]):
+                    own[fqn] = dcp.slice_target(metadata, fqn, param_layouts[name], tp_rank, tp_size, *slices[name])
+                    entry[key] = own[fqn][0]
                 else:
                     targets[fqn] = dcp.local_target(metadata, fqn, param_layouts[name], tp_rank, tp_size)
                     entry[key] = targets[fqn][0]
         states.append(state)
     group = mesh.dp_group if mesh.dp_size > 1 else None
     values = dcp.read_chunks(path, metadata, targets, [fqn for _, _, fqn in objects], group, strategy.root_device)
+    dcp.read_chunks(path, metadata, own, [])
     for entry, key, fqn in objects:
         entry[key] = values[fqn]
     optimizer_states = [index_optimizer_state(saved_optimizers[i], state, local_names[i])

@@ -15,10 +15,13 @@ The pieces are views, so the update is elementwise identical to the unsharded on
 optimizers (SGD, Adam, AdamW, ...). Optimizers that use whole-tensor statistics would see slices:
 torch's Adafactor and LBFGS are refused at setup; others (LAMB) are the user's to avoid.
 
-Checkpoints hold the optimizer state of the unsharded optimizer: ``state_dict`` gathers each
-parameter's slices back into tensors of the parameter's shape, indexed like the optimizer that
-``configure_optimizers`` built, and ``load_state_dict`` cuts such a state into this rank's slices.
-A ZeRO-1 checkpoint therefore looks like any other, and either kind resumes the other.
+Checkpoints hold the optimizer state of the unsharded optimizer, indexed like the optimizer that
+``configure_optimizers`` built, so either kind resumes the other. A plain checkpoint file gets it
+whole: ``state_dict`` gathers each parameter's slices on data-parallel rank 0. A sharded
+(Distributed Checkpoint) directory gets it without a gather: ``local_state_dict`` hands each rank's
+own slices, which ``checkpoint.chunks.slice_chunks`` places in the parameter's global shape, and
+each rank reads back only its ``slices()``. ``load_state_dict`` takes either: whole states are cut
+into this rank's slices, slices are kept.
 """
 
 from __future__ import annotations
@@ -167,6 +170,30 @@ class ZeroOneSharding:
             groups.append({**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": ids})
         return {"state": state, "param_groups": groups}
 
+    def slices(self) -> dict[nn.Parameter, tuple[int, int]]:
+        """Every sharded parameter -> ``(begin, length)`` of this rank's slice of it (flattened);
+        ``(0, 0)`` where this rank steps none of it."""
+        where = {self.original[record.piece]: (record.begin, record.piece.numel()) for record in self.pieces}
+        return {p: where.get(p, (0, 0)) for p in self.sync._where}
+
+    def local_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The torch ``state_dict`` of the unsharded optimizer as far as this rank holds it, without
+        communication: a sharded parameter's sliced entries are this rank's 1-D slice (``slices()``),
+        and a parameter this rank steps no slice of has no state."""
+        optimizer = unwrap_optimizer(optimizer)
+        piece_of = {self.original[record.piece]: record.piece for record in self.pieces}
+        state, groups, index = {}, [], 0
+        for g, params in zip(optimizer.param_groups, configured_param_groups(optimizer), strict=True):
+            ids = []
+            for p in params:
+                held = piece_of.get(p, p if p not in self.sync._where else None)
+                if held is not None and optimizer.state.get(held):
+                    state[index] = dict(optimizer.state[held])
+                ids.append(index)
+                index += 1
+            groups.append({**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": ids})
+        return {"state": state, "param_groups": groups}
+
     def _describe_state(self, optimizer: torch.optim.Optimizer, mine: set) -> dict[tuple[int, int], dict[str, Any]]:
         """Every rank's view of the state: (bucket, index in bucket) -> entry name -> ``_Slice`` for an
         entry shaped like the slices (Adam's moments), or the value itself (``step``)."""
@@ -218,7 +245,11 @@ class ZeroOneSharding:
         return tensors
 
     def load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-        """Load the ``state_dict`` of the unsharded optimizer: each rank keeps the slices it steps."""
+        """Load the ``state_dict`` of the unsharded optimizer: each rank keeps the slices it steps.
+
+        An entry shaped like the parameter is cut; any other (``step``, or the slice itself, as a
+        sharded checkpoint reads it: ``slices()``) is kept as it is.
+        """
         optimizer = unwrap_optimizer(optimizer)
         index_of = {p: i for i, p in enumerate(p for g in configured_param_groups(optimizer) for p in g)}
         saved, state, groups, position = state_dict["state"], {}, [], 0
