@@ -236,3 +236,16 @@ def test_timeline_draws_weight_passes(tmp_path):
 
     render(str(tmp_path / "zbv.png"), 4, 8, "zbv", 2)
     assert (tmp_path / "zbv.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_simulator_costs_each_stage_and_each_message_between_ranks():
+    # one micro-batch on 2 ranks is a chain: F0, message, F1, B1 (+W1), message, B0 (+W0)
+    chain = all_ranks("1f1b", 2, 1)
+    assert simulate(chain).step_time == pytest.approx(1 + 1 + 2 + 2)
+    assert simulate(chain, message_cost=0.25).step_time == pytest.approx(6 + 2 * 0.25)
+    uneven = simulate(chain, forward_cost={0: 1.0, 1: 3.0}, backward_cost={0: 0.0, 1: 1.0}, weight_cost=1.0)
+    assert uneven.step_time == pytest.approx(1 + 3 + 2 + 1)
+    # a V of one micro-batch crosses ranks 4 times (0>1, 2>3, 3>2, 1>0); the bottom of the V (1>2, 2>1)
+    # stays on rank 1 and costs no message
+    v = all_ranks("zbv", 2, 1, 2)
+    assert simulate(v, message_cost=0.5).step_time == pytest.approx(simulate(v).step_time + 4 * 0.5)

@@ -3,8 +3,10 @@
 Every forward of one stage costs ``forward_cost``; a backward split into an input-gradient pass
 ``B`` and a weight pass ``W`` costs ``backward_cost`` and ``weight_cost`` (Qi et al. 2023, arXiv
 2401.10241, whose bubbles assume all three equal), an unsplit ``B`` (no ``W`` for it in the
-schedule) the sum of both, so with the defaults a forward costs 1 and a whole backward 2. Messages
-arrive instantly. A rank starts its next compute as soon as the inputs it waits for exist. The
+schedule) the sum of both, so with the defaults a forward costs 1 and a whole backward 2. Each cost
+may instead be a mapping from stage to cost, for stages that differ (the first stage has no input
+gradient to compute; the last also computes the loss). A message to another rank arrives
+``message_cost`` after its send; one between two stages of the same rank at once. A rank starts its next compute as soon as the inputs it waits for exist. The
 bubble is the idle share of all ranks' time over the step (Narayanan et al. 2021,
 arXiv 2104.04473 §2.2 call ``(P - 1) / M`` of the ideal time; of the whole step it is
 ``(P - 1) / (M + P - 1)`` for GPipe and 1F1B with equal stages). A micro-batch is in flight on a
@@ -15,6 +17,7 @@ its weight gradients need live until then.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping, Union
 
 from lightning_parallel.pipeline.schedules import Action, matching_receive, replay
 
@@ -39,9 +42,19 @@ class Simulation:
     intervals: list[Interval]
 
 
-def simulate(schedules: list[list[Action]], forward_cost: float = 1.0, backward_cost: float = 1.0,
-             weight_cost: float = 1.0) -> Simulation:
+Cost = Union[float, Mapping[int, float]]
+
+
+def simulate(schedules: list[list[Action]], forward_cost: Cost = 1.0, backward_cost: Cost = 1.0,
+             weight_cost: Cost = 1.0, message_cost: float = 0.0) -> Simulation:
     """Run the schedules (assumed valid) and measure the ideal step."""
+    costs = {"F": forward_cost, "B": backward_cost, "W": weight_cost}
+    holder = {a.stage: rank for rank, acts in enumerate(schedules) for a in acts}
+
+    def cost_of(op: str, stage: int) -> float:
+        cost = costs[op]
+        return cost[stage] if isinstance(cost, Mapping) else cost
+
     split = {(a.microbatch, a.stage) for acts in schedules for a in acts if a.op == "W"}
     ready_at: dict[tuple[str, int, int], float] = {}
     clock = [0.0] * len(schedules)
@@ -53,10 +66,11 @@ def simulate(schedules: list[list[Action]], forward_cost: float = 1.0, backward_
         if a.op in ("recv_f", "recv_b"):
             clock[rank] = max(clock[rank], ready_at[(a.op, a.microbatch, a.stage)])
         elif a.op in ("send_f", "send_b"):
-            ready_at[matching_receive(a)] = clock[rank]
+            key = matching_receive(a)
+            ready_at[key] = clock[rank] + (message_cost if holder[key[2]] != rank else 0.0)
         else:
             whole = a.op == "B" and (a.microbatch, a.stage) not in split
-            cost = {"F": forward_cost, "B": backward_cost, "W": weight_cost}[a.op] + (weight_cost if whole else 0.0)
+            cost = cost_of(a.op, a.stage) + (cost_of("W", a.stage) if whole else 0.0)
             intervals.append(Interval(rank, a.op, a.microbatch, a.stage, clock[rank], clock[rank] + cost))
             clock[rank] += cost
             in_flight[rank] += 1 if a.op == "F" else -1 if a.op == "W" or whole else 0
