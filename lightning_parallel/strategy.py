@@ -98,9 +98,9 @@ class ParallelStrategy(_LightningParallelStrategy):
         micro_batches: micro-batches per training batch under pipeline parallelism (default: the
             number of stages).
         schedule: pipeline schedule, ``"1f1b"``, ``"gpipe"``, ``"interleaved_1f1b"``, or the
-            zero-bubble ``"zb_h1"`` and ``"zbv"`` (``pipeline/zero_bubble.py``).
-        virtual_stages: model chunks per rank for ``"interleaved_1f1b"``; ``"zbv"`` holds 2 (a
-            value of 1 reads as 2 there).
+            zero-bubble ``"zb_h1"``, ``"zbv"`` and ``"dualpipev"`` (``pipeline/zero_bubble.py``).
+        virtual_stages: model chunks per rank for ``"interleaved_1f1b"``; ``"zbv"`` and
+            ``"dualpipev"`` hold 2 (a value of 1 reads as 2 there).
         sequence_parallel: shard norm and dropout regions along the sequence under TP
             (Korthikanti et al. 2022).
         tp_plan: module-name glob -> style (``colwise``, ``rowwise``, ``vocab``, or a dict with
@@ -612,13 +612,15 @@ class TensorParallelStrategy(ParallelStrategy):
 
     strategy_name = "lp_tp"
 
-    def __init__(self, tensor_parallel: Optional[int] = None, **kwargs: Any) -> None:
+    def __init__(self, tensor_parallel: Union[int, str, None] = None, **kwargs: Any) -> None:
         self._tp_all = tensor_parallel is None
         super().__init__(tensor_parallel=tensor_parallel or 1, **kwargs)
 
     def _resolve_sizes(self) -> None:
         if self._tp_all:
             self.tensor_parallel = max(1, self.num_nodes * self.num_processes // self.pipeline_parallel)
+        else:  # a size, or "auto" for the planner
+            super()._resolve_sizes()
 
 
 class PipelineParallelStrategy(ParallelStrategy):
@@ -626,10 +628,12 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     strategy_name = "lp_pp"
 
-    def __init__(self, pipeline_parallel: Optional[int] = None, **kwargs: Any) -> None:
+    def __init__(self, pipeline_parallel: Union[int, str, None] = None, **kwargs: Any) -> None:
         self._pp_all = pipeline_parallel is None
         super().__init__(pipeline_parallel=pipeline_parallel or 1, **kwargs)
 
     def _resolve_sizes(self) -> None:
         if self._pp_all:
             self.pipeline_parallel = max(1, self.num_nodes * self.num_processes // self.tensor_parallel)
+        else:  # a size, or "auto" for the planner
+            super()._resolve_sizes()

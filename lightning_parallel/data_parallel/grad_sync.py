@@ -35,7 +35,7 @@ which is all its optimizer shard needs (see ``zero.py``).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Optional
+from typing import ContextManager, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -159,19 +159,17 @@ class GradientSynchronizer:
         self._next += 1
 
     # ---- step-time ----------------------------------------------------------------------------
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> ContextManager[None]:
         """Accumulate gradients locally; the backward after this block communicates."""
-        previous, self.enabled = self.enabled, False
-        try:
-            yield
-        finally:
-            self.enabled = previous
+        return self._hooks_launch(False)
+
+    def syncing(self) -> ContextManager[None]:
+        """Inside ``no_sync()``: let this backward mark its parameters ready and launch full buckets."""
+        return self._hooks_launch(True)
 
     @contextmanager
-    def syncing(self) -> Iterator[None]:
-        """Inside ``no_sync()``: let this backward mark its parameters ready and launch full buckets."""
-        previous, self.enabled = self.enabled, True
+    def _hooks_launch(self, enabled: bool) -> Iterator[None]:
+        previous, self.enabled = self.enabled, enabled
         try:
             yield
         finally:
