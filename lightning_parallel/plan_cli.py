@@ -51,7 +51,7 @@ from lightning_parallel.estimate import (
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.overrides import compose_config
 from lightning_parallel.pipeline.partition import StagePlan
-from lightning_parallel.pipeline.placement import V_SHAPED, placement_of
+from lightning_parallel.pipeline.placement import chunks_per_rank, placement_of
 from lightning_parallel.planner import Cluster, Constraints, PlanError, SearchResult, Workload, search
 from lightning_parallel.planner.auto import choose, device_memory, is_auto, report
 from lightning_parallel.planner.calibrate import measure, nominal
@@ -123,7 +123,7 @@ def build_plan(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> LaunchPl
         tp_plan=options.get("tp_plan"),
         sequence_parallel=options.get("sequence_parallel", False),
         pipeline_blocks=options.get("pipeline_blocks"),
-        virtual_stages=2 if schedule in V_SHAPED and virtual == 1 else virtual,  # a V holds two stages a rank
+        virtual_stages=chunks_per_rank(schedule, virtual),
         pipeline_layout=options.get("pipeline_layout"),
         placement=placement_of(schedule),
     )

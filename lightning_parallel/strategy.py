@@ -71,7 +71,7 @@ from lightning_parallel.init import (
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.pipeline import PipelineEngine
 from lightning_parallel.pipeline.example import first_batch
-from lightning_parallel.pipeline.placement import V_SHAPED, placement_of
+from lightning_parallel.pipeline.placement import chunks_per_rank, placement_of
 from lightning_parallel.planner import SearchResult
 from lightning_parallel.planner.auto import choose_for, is_auto
 from lightning_parallel.requeue import DeferredRequeue
@@ -160,9 +160,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         self.pipeline_parallel = 1 if pipeline_parallel == "auto" else int(pipeline_parallel)
         self.micro_batches = micro_batches
         self.schedule = "1f1b" if schedule == "auto" else schedule
-        self.virtual_stages = 1 if virtual_stages == "auto" else int(virtual_stages)
-        if self.schedule in V_SHAPED and self.virtual_stages == 1:
-            self.virtual_stages = 2  # a V-shaped schedule holds two stages per rank
+        self.virtual_stages = chunks_per_rank(self.schedule, 1 if virtual_stages == "auto" else int(virtual_stages))
         self.sequence_parallel = sequence_parallel
         self.tp_plan = dict(tp_plan) if tp_plan is not None else None
         self.pipeline_blocks = pipeline_blocks

@@ -23,6 +23,11 @@ def placement_of(schedule: str) -> str:
     return "v" if schedule in V_SHAPED else "loop"
 
 
+def chunks_per_rank(schedule: str, virtual_stages: int) -> int:
+    """Stages per rank that ``schedule`` runs with ``virtual_stages`` asked: a V holds two, so 1 reads as 2."""
+    return 2 if schedule in V_SHAPED and virtual_stages == 1 else virtual_stages
+
+
 def check(placement: str, ranks: int, num_stages: int) -> None:
     if placement not in PLACEMENTS:
         raise PipelineConfigError(f"unknown stage placement {placement!r}; choose one of {', '.join(PLACEMENTS)}")

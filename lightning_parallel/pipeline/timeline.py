@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_parallel.pipeline.placement import V_SHAPED
+from lightning_parallel.pipeline.placement import chunks_per_rank
 from lightning_parallel.pipeline.schedules import SCHEDULES, all_ranks
 from lightning_parallel.pipeline.simulator import Interval, simulate
 
@@ -142,8 +142,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--measure", action="store_true", help="also run the default GPT and draw what happened")
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"PNG file to write (default {DEFAULT_OUT})")
     args = parser.parse_args(argv)
-    if args.schedule in V_SHAPED and args.virtual_stages == 1:
-        args.virtual_stages = 2  # a V holds two stages per rank
+    args.virtual_stages = chunks_per_rank(args.schedule, args.virtual_stages)
     try:
         measured = measure(args.stages, args.micro_batches, args.schedule, args.virtual_stages) if args.measure else None
         render(args.out, args.stages, args.micro_batches, args.schedule, args.virtual_stages, measured)
