@@ -426,3 +426,53 @@ def test_skip_blocks_return_a_tuple_as_long_as_the_real_blocks():
         assert torch.equal(model(x), full(x))
     finally:
         runtime.end()
+
+
+class CountsMetaRuns(nn.Linear):
+    """A head whose forward counts its calls (the placeholder runs a meta copy, which shares the class)."""
+
+    calls = 0
+
+    def forward(self, x, scale=1.0):
+        type(self).calls += 1
+        return super().forward(x) * scale
+
+
+class HeadWithArgument(Plain):
+    def __init__(self):
+        super().__init__()
+        self.head = CountsMetaRuns(8, 2)
+
+    def forward(self, x, scale=1.0):
+        x = self.emb(x)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(x, scale=scale)
+
+
+def call_after_blocks(runtime, module, *args, **kwargs):
+    """Call ``module`` as the forward of a stage would after its blocks."""
+    runtime.begin(range(0, 2), False, None, 0)
+    runtime.blocks_started = True
+    try:
+        return module(*args, **kwargs)
+    finally:
+        runtime.end()
+
+
+def test_placeholder_runs_its_meta_copy_once_per_argument_signature():
+    model = HeadWithArgument()
+    plan = plan_stages(model, 2)
+    runtime = StageRuntime()
+    apply_stage_plan(model, plan, 0, runtime)  # stage 0: the head is a placeholder
+    head = model.head
+    CountsMetaRuns.calls = 0
+    outputs = []
+    for x, scale in [(torch.randn(3, 4), 1.0), (torch.randn(3, 4), 1.0), (torch.randn(5, 4), 1.0),
+                     (torch.randn(5, 4), 2.0), (torch.randn(5, 4), 2.0)]:
+        outputs.append(call_after_blocks(runtime, head, torch.randn(x.shape[0], 8), scale=scale))
+    assert CountsMetaRuns.calls == 3  # (3 rows, 1.0), (5 rows, 1.0), (5 rows, 2.0)
+    assert [tuple(o.shape) for o in outputs] == [(3, 2), (3, 2), (5, 2), (5, 2), (5, 2)]
+    assert all(not o.any() and o.device.type == "cpu" for o in outputs)  # real zeros, never the cached meta tensor
+    outputs[0].add_(1)  # writable, and not shared with the next call
+    assert not call_after_blocks(runtime, head, torch.randn(3, 8), scale=1.0).any()

@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from lightning_parallel.compat import in_backward, tree_map
+from lightning_parallel.compat import in_backward, tree_flatten, tree_map
 from lightning_parallel.pipeline.errors import REENTRANT, PipelineIncompatibleModel
 from lightning_parallel.pipeline.partition import StagePlan
 
@@ -240,6 +240,27 @@ def _to_meta(value: Any) -> Any:
     return value.to("meta") if isinstance(value, torch.Tensor) else value
 
 
+_CONSTANTS = (bool, int, float, str, torch.dtype, torch.device, torch.Size)
+
+
+def _plain(value: Any) -> bool:
+    """A tensor (its shape and dtype are what a meta run sees) or an immutable constant."""
+    return value is None or isinstance(value, (torch.Tensor, *_CONSTANTS))
+
+
+def _signature(tree: tuple[tuple, dict]) -> Optional[tuple]:
+    """What a meta run can see of ``tree``: its structure, each tensor's shape and dtype, every other
+    value; None where a value could change behind an equal key (any object but a constant), so the run
+    is not cached."""
+    args, kwargs = tree
+    if not kwargs and all(type(a) is torch.Tensor for a in args):  # the usual call, without pytree's cost
+        return tuple((a.shape, a.dtype) for a in args)
+    leaves, spec = tree_flatten(tree)
+    if not all(_plain(v) for v in leaves):
+        return None
+    return spec, tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (type(v), v) for v in leaves)
+
+
 class Placeholder(nn.Module):
     """Stand-in for an embedding, norm or head owned by another stage: returns zeros of the right shape.
 
@@ -249,6 +270,10 @@ class Placeholder(nn.Module):
     dtype is that of the activation the stage received, so masks and rotary tables built from it get
     the dtype they would have had. The zeros are real (not an expanded scalar), so code that writes
     into them in place still runs. Attributes of the module stay readable through the meta copy.
+
+    On meta tensors the output can only depend on the arguments' shapes, dtypes and plain values, so
+    the meta run's result is kept per such signature (``_signature``) and later calls with the same
+    one skip it: the meta run costs a stage's forward more than the stage's own Python does.
     """
 
     def __init__(self, runtime: StageRuntime, original: nn.Module, name: str, before_blocks: Optional[bool]):
@@ -263,12 +288,18 @@ class Placeholder(nn.Module):
         object.__setattr__(self, "_meta", _meta_copy(original))  # unregistered: not a submodule, no state
         if self._meta is None:
             _copy_plain_attributes(original, self)
+        object.__setattr__(self, "_outputs", {})  # the forward's meta output per argument signature
+
+    def _zeros(self, out: Any) -> Any:
+        if type(out) is torch.Tensor:
+            return self.runtime.zeros(out.shape, out)
+        return tree_map(lambda t: self.runtime.zeros(t.shape, t) if isinstance(t, torch.Tensor) else t, out)
 
     def _on_meta(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         """``fn`` of the meta copy on meta versions of the arguments, its tensors then turned into zeros."""
         with torch.no_grad():
             out = fn(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
-        return tree_map(lambda t: self.runtime.zeros(t.shape, t) if isinstance(t, torch.Tensor) else t, out)
+        return self._zeros(out)
 
     def __getattr__(self, name: str) -> Any:
         """What the caller reads from the real module comes from the meta copy: plain values; for a
@@ -290,10 +321,19 @@ class Placeholder(nn.Module):
         if self.before_blocks is not None:
             check_order(self.runtime, self.name, self.before_blocks)
         if self._meta is not None:
-            try:
-                return self._on_meta(self._meta, args, kwargs)
-            except Exception:  # noqa: BLE001 - data-dependent code cannot run on meta; fall back to the type
-                object.__setattr__(self, "_meta", None)
+            key = _signature((args, kwargs))
+            out = self._outputs.get(key) if key is not None else None
+            if out is None:
+                try:
+                    with torch.no_grad():
+                        out = self._meta(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
+                except Exception:  # noqa: BLE001 - data-dependent code cannot run on meta; fall back to the type
+                    object.__setattr__(self, "_meta", None)
+                else:
+                    if key is not None and all(_plain(v) for v in tree_flatten(out)[0]):
+                        self._outputs[key] = out
+            if out is not None:
+                return self._zeros(out)
         x = args[0] if args else next(iter(kwargs.values()))
         if self.kind == "append":
             shape = (*x.shape, self.dim)
