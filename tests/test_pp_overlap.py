@@ -72,7 +72,8 @@ def _ahead(rank, world, post_ahead):
 @pytest.mark.timeout(60)
 def test_receives_posted_ahead_train_exactly_as_receives_posted_with_their_exchange():
     ahead, plain = run_distributed(_ahead, 2, True), run_distributed(_ahead, 2, False)
-    assert [posted for _, _, posted in ahead] == [0, 9]  # the last stage: micro-batches 1-3 of 4, in 3 steps
+    # the first stage: the gradients of micro-batches 0-3, the last stage: hidden states 1-3 of 4, in 3 steps
+    assert [posted for _, _, posted in ahead] == [12, 9]
     assert [posted for _, _, posted in plain] == [0, 0]
     for (losses, params, _), (plain_losses, plain_params, _) in zip(ahead, plain):
         assert losses == plain_losses

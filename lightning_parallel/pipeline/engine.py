@@ -13,7 +13,7 @@ boundary. A backward action back-propagates the received gradient (or, on the la
 loss scaled once by ``loss_scale`` times the micro-batch's share of the batch). After a forward
 output is sent its storage is released, keeping only the autograd graph (Megatron-LM's
 ``deallocate_output_tensor``), and backward then runs through the autograd engine directly. The
-hidden-state receives of the next exchange are posted as soon as their shapes are known (``p2p``).
+receives of the next exchange are posted as soon as their shapes are known (``p2p``).
 Where the schedule has a weight pass ``W`` for a micro-batch, its backward ``B`` computes only the
 input gradient and ``W`` the weight gradients, nothing twice (``backward_split``); schedules
 without weight passes get one for the rank's last backward, so its input gradient leaves before
@@ -347,9 +347,14 @@ class PipelineEngine:
                     self._communicate(actions, *runs[n], step, keys.__getitem__)
                     if n + 1 < len(runs):
                         start, stop = runs[n + 1]
+                        here = self.mesh.pp_rank
                         ahead = [(a.microbatch, a.stage) for a in actions[start:stop]
-                                 if a.op == "recv_f" and self.plan.rank_of_stage(a.stage - 1) != self.mesh.pp_rank]
-                        self.link.receive_ahead(ahead, keys.__getitem__)
+                                 if a.op == "recv_f" and self.plan.rank_of_stage(a.stage - 1) != here]
+                        grads = [(a.microbatch, a.stage, *step.out_meta[(a.microbatch, a.stage)])
+                                 for a in actions[start:stop] if a.op == "recv_b"
+                                 and self.plan.rank_of_stage(a.stage + 1) != here
+                                 and (a.microbatch, a.stage) in step.out_meta]
+                        self.link.receive_ahead(ahead, keys.__getitem__, grads)
                     i = runs[n][1]
                     continue
                 a = actions[i]
