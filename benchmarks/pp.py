@@ -32,7 +32,8 @@ pair (``loss diff``): the same work was done.
 Printed per pair: training steps per second of each (the inverse of the median step time on
 rank 0 in a run, then the median over repeats) and their ratio (the median of the per-repeat
 ratios ours / peer's; each repeat runs the two back to back, in alternating order, so a change in
-machine load hits both alike); the bubble of each, measured from the forward, input-gradient and
+machine load hits both alike), with the smallest and largest of those ratios (``min-max``: what machine
+noise does to a single pair); the bubble of each, measured from the forward, input-gradient and
 weight-gradient intervals of one step (idle share of ranks x step time,
 ``pipeline.timeline.bubble_fraction``); our bubble as the schedule simulator predicts it from the
 mean F, B and W durations of that same step (``pipeline.simulator``); and the peak resident
@@ -408,7 +409,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             print(f"wrote {path}")
 
 
-COLUMNS = (("schedule", 17), ("torch peer", 30), ("ours/s", 10), ("peer/s", 7), ("ratio", 7), ("bubble ours", 12),
+COLUMNS = (("schedule", 17), ("torch peer", 30), ("ours/s", 10), ("peer/s", 7), ("ratio", 7), ("min-max", 11),
+           ("bubble ours", 12),
            ("simulated", 10), ("bubble peer", 12), ("MB/rank ours", 14), ("MB/rank peer", 14), ("loss diff", 10),
            ("same order", 11))
 
@@ -430,18 +432,22 @@ def report(args, built: list[str], runs: dict) -> None:
         return "/".join(f"{statistics.median(r['memory'][k] for r in runs[(impl, schedule)]):.0f}"
                         for k in range(args.stages))
 
+    def ratios(ours, peer):
+        return [o["rate"] / p["rate"] for o, p in zip(runs[ours], runs[peer])]
+
     def ratio(ours, peer):
-        return statistics.median(o["rate"] / p["rate"] for o, p in zip(runs[ours], runs[peer]))
+        return statistics.median(ratios(ours, peer))
 
     for schedule in args.schedules:
         ours, peer = ("ours", schedule), ("torch", schedule)
         if schedule not in built:
-            print(row(schedule, PEERS[schedule], "not built", f"{median('rate', *peer):.2f}", "", "", "",
+            print(row(schedule, PEERS[schedule], "not built", f"{median('rate', *peer):.2f}", "", "", "", "",
                       f"{median('bubble', *peer):.1%}", "", memory(*peer), ""))
             continue
         diff = statistics.median(abs(o["loss"] - p["loss"]) for o, p in zip(runs[ours], runs[peer]))
         print(row(schedule, PEERS[schedule], f"{median('rate', *ours):.2f}", f"{median('rate', *peer):.2f}",
-                  f"{ratio(ours, peer):.2f}x", f"{median('bubble', *ours):.1%}", f"{median('predicted', *ours):.1%}",
+                  f"{ratio(ours, peer):.2f}x", f"{min(ratios(ours, peer)):.2f}-{max(ratios(ours, peer)):.2f}",
+                  f"{median('bubble', *ours):.1%}", f"{median('predicted', *ours):.1%}",
                   f"{median('bubble', *peer):.1%}", memory(*ours), memory(*peer), f"{diff:.1e}",
                   "yes" if all(r["same order"] for r in runs[peer]) else "no"))
     if built and "1f1b" in args.schedules:
