@@ -241,6 +241,7 @@ def _to_meta(value: Any) -> Any:
 
 
 _CONSTANTS = (bool, int, float, str, torch.dtype, torch.device, torch.Size)
+_MISSING = object()
 
 
 def _plain(value: Any) -> bool:
@@ -322,8 +323,8 @@ class Placeholder(nn.Module):
             check_order(self.runtime, self.name, self.before_blocks)
         if self._meta is not None:
             key = _signature((args, kwargs))
-            out = self._outputs.get(key) if key is not None else None
-            if out is None:
+            out = self._outputs.get(key, _MISSING) if key is not None else _MISSING
+            if out is _MISSING:
                 try:
                     with torch.no_grad():
                         out = self._meta(*tree_map(_to_meta, args), **tree_map(_to_meta, kwargs))
@@ -332,7 +333,7 @@ class Placeholder(nn.Module):
                 else:
                     if key is not None and all(_plain(v) for v in tree_flatten(out)[0]):
                         self._outputs[key] = out
-            if out is not None:
+            if out is not _MISSING:
                 return self._zeros(out)
         x = args[0] if args else next(iter(kwargs.values()))
         if self.kind == "append":
