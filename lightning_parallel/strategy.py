@@ -69,6 +69,7 @@ from lightning_parallel.init import (
     on_host,
 )
 from lightning_parallel.mesh import ParallelMesh
+from lightning_parallel.metric_sync import sync_metrics_per_replica
 from lightning_parallel.pipeline import PipelineEngine
 from lightning_parallel.pipeline.example import first_batch
 from lightning_parallel.pipeline.placement import chunks_per_rank, placement_of
@@ -331,6 +332,7 @@ class ParallelStrategy(_LightningParallelStrategy):
             self._split(module)
         if self.is_model_split:  # Lightning's summary would count rank 0's shard of its stage
             report_whole_model(trainer.callbacks, self._unsplit_counts)
+        sync_metrics_per_replica(module, self.mesh)  # TP ranks' identical metric states count once
         if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
             self.model = self._apply_layer_sync(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -550,9 +552,26 @@ class ParallelStrategy(_LightningParallelStrategy):
 
     # ---- collectives ---------------------------------------------------------------------------
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Any = "mean") -> Any:
+        """Reduce over the data-parallel replicas (``self.log(..., sync_dist=True)`` comes here).
+
+        The ranks of one replica's tensor and pipeline groups hold the same logged values (TP ranks
+        compute them alike, pipeline stages replay the last stage's), so reducing over every rank
+        would count a ``reduce_fx="sum"`` value tp x pp times; the mean, max and min are the same
+        either way. An explicit ``group`` is used as given.
+        """
         if isinstance(tensor, Tensor):
+            if group is None and self.mesh is not None and _distributed_is_initialized():
+                group = self.mesh.dp_group
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
+        """Whether every rank (``all``) or any rank decided so, over all ranks (early stopping, checkpoints)."""
+        if not _distributed_is_initialized():
+            return decision
+        flag = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.SUM)
+        return bool(flag == self.world_size) if all else bool(flag)
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not _distributed_is_initialized():

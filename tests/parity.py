@@ -97,7 +97,7 @@ def fit_and_record(
         strategy=strategy,
         max_steps=max_steps,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=trainer_kwargs.pop("enable_checkpointing", False),
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,

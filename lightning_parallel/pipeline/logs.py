@@ -4,8 +4,10 @@ Only the last stage gets to the end of the user's step, so its ``self.log`` call
 ones. During the schedule they are recorded instead of logged (a ``sync_dist=True`` collective
 inside the schedule would deadlock against stages waiting on point-to-point messages); after it,
 the engine broadcasts the records of the last stage and every rank replays them, in the same
-order, through the real ``self.log``. Values of one key are averaged over micro-batches with the
-micro-batch weights, so a step's value equals the full batch's.
+order, through the real ``self.log``. Values of one key are combined over micro-batches as the
+call's ``reduce_fx`` says, so a step's value equals the full batch's: the mean (the default) with
+the micro-batch weights, ``"sum"`` summed, ``"max"`` / ``"min"`` the largest / smallest, any other
+callable applied to the stacked values.
 """
 
 from __future__ import annotations
@@ -65,16 +67,32 @@ class LogCapture:
             del self.module.log
 
     def records(self) -> list[Record]:
-        """One record per key: the weighted mean of its values over the micro-batches that logged it.
+        """One record per key: its values over the micro-batches that logged it, combined by ``reduce_fx``.
 
-        Tensor values are averaged where they are and reach the host together, one copy per dtype
+        Tensor values are combined where they are and reach the host together, one copy per dtype
         (a host copy from a GPU waits for the queued kernels; one per logged value would wait each time).
         """
-        out = []
-        for name, (kwargs, values) in self._calls.items():
-            total = sum(w for w, _ in values)
-            out.append((name, sum(w * v for w, v in values) / total, kwargs))
-        return _on_host(out)
+        return _on_host([(name, combine(values, kwargs.get("reduce_fx", "mean")), kwargs)
+                         for name, (kwargs, values) in self._calls.items()])
+
+
+def combine(values: list[tuple[float, Any]], reduce_fx: Any) -> Any:
+    """One step's value of a key from its ``(micro-batch weight, value)`` pairs, as Lightning would
+    reduce them (``reduce_fx`` of ``self.log``: "mean", "sum", "max", "min" or a callable)."""
+    kind = _REDUCTIONS.get(reduce_fx, reduce_fx)
+    if kind == "mean":
+        return sum(w * v for w, v in values) / sum(w for w, _ in values)
+    if kind == "sum":
+        return sum(v for _, v in values)
+    tensors = [torch.as_tensor(v) for _, v in values]
+    if kind in ("max", "min"):
+        stacked = torch.stack([t.to(torch.promote_types(t.dtype, torch.float32)) for t in tensors])
+        return stacked.amax(0) if kind == "max" else stacked.amin(0)
+    return kind(torch.stack(tensors))
+
+
+_REDUCTIONS = {"mean": "mean", "avg": "mean", torch.mean: "mean", "sum": "sum", torch.sum: "sum",
+               "max": "max", torch.max: "max", "min": "min", torch.min: "min"}
 
 
 def _on_host(records: list[Record]) -> list[Record]:
