@@ -476,3 +476,33 @@ def test_placeholder_runs_its_meta_copy_once_per_argument_signature():
     assert all(not o.any() and o.device.type == "cpu" for o in outputs)  # real zeros, never the cached meta tensor
     outputs[0].add_(1)  # writable, and not shared with the next call
     assert not call_after_blocks(runtime, head, torch.randn(3, 8), scale=1.0).any()
+
+
+def test_per_sample_lists_split_with_the_tensors_and_scalars_go_whole():
+    x = torch.arange(8).view(8, 1)
+    batch = {"x": x, "names": [f"s{i}" for i in range(8)], "seqs": [torch.arange(2 + i) for i in range(8)],
+             "scale": torch.tensor(2.0), "table": torch.ones(3, 4), "flag": True, "pair": [x, x + 1]}
+    micro, weights = split_batch(batch, 4)
+    assert weights == [0.25] * 4
+    for k, mb in enumerate(micro):
+        rows = list(range(2 * k, 2 * k + 2))
+        assert mb["x"].flatten().tolist() == rows
+        assert mb["names"] == [f"s{i}" for i in rows]  # one string per sample, with its sample
+        assert [len(s) for s in mb["seqs"]] == [2 + i for i in rows]  # variable-length tensors whole
+        assert mb["scale"].item() == 2.0 and mb["table"].shape == (3, 4) and mb["flag"] is True
+        assert [p.flatten().tolist() for p in mb["pair"]] == [rows, [i + 1 for i in rows]]  # columns split
+
+
+def test_batch_size_is_the_leading_size_most_tensors_share():
+    table, x, y = torch.zeros(5, 2), torch.zeros(8, 3), torch.zeros(8)
+    micro, _ = split_batch({"table": table, "x": x, "y": y}, 2)
+    assert [tuple(m["x"].shape) for m in micro] == [(4, 3), (4, 3)]
+    assert all(m["table"] is table for m in micro)
+
+
+def test_whole_batch_values_are_named_for_the_setup_warning():
+    from lightning_parallel.pipeline.microbatch import whole_batch_values
+
+    batch = {"x": torch.zeros(4, 2), "n": torch.tensor(8.0), "extra": [torch.zeros(4), torch.tensor(1)]}
+    assert whole_batch_values(batch) == ["batch['n']", "batch['extra'][1]"]
+    assert whole_batch_values((torch.zeros(4), torch.zeros(4))) == []

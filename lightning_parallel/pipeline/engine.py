@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from contextlib import nullcontext
 from typing import Any, Callable, ContextManager, Optional
 
@@ -41,7 +42,7 @@ from lightning_parallel.pipeline.isolation import untouched
 from lightning_parallel.pipeline.logs import LogCapture, replay
 from lightning_parallel.pipeline.meta_trace import meta_batch, meta_device
 from lightning_parallel.pipeline.memory import ActivationMeter
-from lightning_parallel.pipeline.microbatch import signature, split_batch
+from lightning_parallel.pipeline.microbatch import signature, split_batch, whole_batch_values
 from lightning_parallel.pipeline.order import RunOrder, trace_run_order, traced_conditions
 from lightning_parallel.pipeline.p2p import StageLink
 from lightning_parallel.pipeline.partition import plan_stages, shared_parameters
@@ -167,6 +168,15 @@ class PipelineEngine:
         order = None
         on_meta = any(p.is_meta for p in self.module.parameters())
         if example is not None:
+            whole = whole_batch_values(example)
+            if whole and rank == 0:
+                warnings.warn(
+                    f"the batch holds 0-dim tensors ({', '.join(whole)}); under pipeline parallelism each of the "
+                    f"{self.micro_batches} micro-batches receives them whole and its loss counts by its share of the "
+                    "samples. If one is a count over the whole batch that divides a summed loss, the loss comes out "
+                    "micro_batches times too small: return a mean over the samples instead",
+                    stacklevel=2,
+                )
             micro = split_batch(example, self.micro_batches)[0][0]
             step_fn = getattr(self.module, step)
             order = self._trace(micro, step_fn, on_meta)

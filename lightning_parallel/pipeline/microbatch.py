@@ -9,50 +9,85 @@ import torch
 from lightning_parallel.pipeline.errors import PipelineConfigError
 
 
-def _first_tensor(batch: Any) -> torch.Tensor:
+def _tensors(batch: Any) -> list[torch.Tensor]:
     if isinstance(batch, torch.Tensor):
-        return batch
+        return [batch]
     items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else ()
-    for item in items:
-        try:
-            return _first_tensor(item)
-        except PipelineConfigError:
-            continue
-    raise PipelineConfigError(f"a pipelined batch must contain a tensor to split, got {type(batch).__name__}")
+    return [t for item in items for t in _tensors(item)]
 
 
-def _split(batch: Any, parts: int) -> list[Any]:
+def batch_size(batch: Any) -> int:
+    """The number of samples: the leading size most of the batch's (non-scalar) tensors share, the
+    first one's among equals; a per-batch table of another length does not decide it."""
+    sizes = [t.shape[0] for t in _tensors(batch) if t.dim() > 0]
+    if not sizes:
+        raise PipelineConfigError(
+            f"a pipelined batch must contain a tensor with a batch dimension to split, got {type(batch).__name__}"
+        )
+    return max(dict.fromkeys(sizes), key=sizes.count)
+
+
+def whole_batch_values(batch: Any, path: str = "batch") -> list[str]:
+    """Where ``batch`` holds 0-dim tensors: values every micro-batch receives whole (a count over the
+    whole batch used to normalise a summed loss would then normalise each micro-batch's sum)."""
     if isinstance(batch, torch.Tensor):
-        return list(torch.tensor_split(batch, parts, dim=0))
+        return [path] if batch.dim() == 0 else []
     if isinstance(batch, dict):
-        columns = {k: _split(v, parts) for k, v in batch.items()}
-        return [type(batch)({k: columns[k][i] for k in batch}) for i in range(parts)]
+        return [p for k, v in batch.items() for p in whole_batch_values(v, f"{path}[{k!r}]")]
     if isinstance(batch, (tuple, list)):
-        columns = [_split(v, parts) for v in batch]
-        rows = [[c[i] for c in columns] for i in range(parts)]
+        return [p for i, v in enumerate(batch) for p in whole_batch_values(v, f"{path}[{i}]")]
+    return []
+
+
+def _per_sample(items: Any, size: int) -> bool:
+    """Whether a list holds one entry per sample (strings, numbers, variable-length tensors from a custom
+    collate) rather than columns of the batch (``[inputs, targets]``, each with ``size`` rows)."""
+    if hasattr(items, "_fields") or len(items) != size:
+        return False
+    return not all(isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == size for v in items)
+
+
+def _split(batch: Any, bounds: list[tuple[int, int]], size: int) -> list[Any]:
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0 or batch.shape[0] != size:  # a scalar or a per-batch table: every micro-batch
+            return [batch] * len(bounds)
+        return [batch[a:b] for a, b in bounds]
+    if isinstance(batch, dict):
+        columns = {k: _split(v, bounds, size) for k, v in batch.items()}
+        return [type(batch)({k: columns[k][i] for k in batch}) for i in range(len(bounds))]
+    if isinstance(batch, (tuple, list)):
+        if _per_sample(batch, size):
+            return [type(batch)(batch[a:b]) for a, b in bounds]
+        columns = [_split(v, bounds, size) for v in batch]
+        rows = [[c[i] for c in columns] for i in range(len(bounds))]
         if hasattr(batch, "_fields"):  # namedtuple
             return [type(batch)(*r) for r in rows]
         return [type(batch)(r) for r in rows]
-    return [batch] * parts  # non-tensor values (flags, strings) go to every micro-batch
+    return [batch] * len(bounds)  # non-tensor values (flags, strings) go to every micro-batch
 
 
 def split_batch(batch: Any, micro_batches: int) -> tuple[list[Any], list[float]]:
     """The micro-batches and their weights ``size_i / batch_size`` (``1 / M`` when the split is even).
 
-    A batch of fewer samples than ``micro_batches`` (the last batch of an epoch without
-    ``drop_last``) is split into one micro-batch per sample. Sizes differ by at most one
-    (``torch.tensor_split``: 17 into 4 gives 5, 4, 4, 4). Weighting each micro-batch's mean loss by
-    its share of samples makes the sum equal the full batch's mean loss, as one device computes it,
-    whenever the loss is a mean over samples that each count alike (the same number of tokens in
+    What is split along the samples: tensors whose leading size is the batch size (``batch_size``),
+    and lists with one entry per sample (a default-collated list of strings, a custom collate's list
+    of variable-length tensors). Scalars, tensors of another leading size and plain values go whole
+    to every micro-batch. A batch of fewer samples than ``micro_batches`` (the last batch of an epoch
+    without ``drop_last``) is split into one micro-batch per sample. Sizes differ by at most one
+    (as ``torch.tensor_split``: 17 into 4 gives 5, 4, 4, 4). Weighting each micro-batch's mean loss
+    by its share of samples makes the sum equal the full batch's mean loss, as one device computes
+    it, whenever the loss is a mean over samples that each count alike (the same number of tokens in
     each). A loss averaged over a varying number of tokens per micro-batch (padding, ignored labels)
     becomes the sample-weighted mean of micro-batch means, as with gradient accumulation.
     """
-    size = _first_tensor(batch).shape[0]
+    size = batch_size(batch)
     if size == 0:
         raise PipelineConfigError("a pipelined batch must hold at least one sample along dim 0, got an empty batch")
     parts = min(size, micro_batches)
     sizes = [len(chunk) for chunk in torch.tensor_split(torch.arange(size), parts)]
-    return _split(batch, parts), [s / size for s in sizes]
+    starts = [sum(sizes[:i]) for i in range(parts)]
+    bounds = [(a, a + n) for a, n in zip(starts, sizes)]
+    return _split(batch, bounds, size), [n / size for n in sizes]
 
 
 def signature(micro_batch: Any) -> tuple:

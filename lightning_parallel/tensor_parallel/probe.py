@@ -40,7 +40,7 @@ from lightning_parallel.pipeline.errors import PipelineConfigError
 from lightning_parallel.pipeline.example import first_batch
 from lightning_parallel.pipeline.isolation import untouched
 from lightning_parallel.pipeline.logs import LogCapture
-from lightning_parallel.pipeline.microbatch import _first_tensor, split_batch
+from lightning_parallel.pipeline.microbatch import batch_size, split_batch
 from lightning_parallel.slurm_checks import LaunchConfigError
 from lightning_parallel.tensor_parallel import comm
 
@@ -148,7 +148,7 @@ class _RunningModules:
 def _small_example(batch: Any) -> Any:
     """The first two samples of ``batch`` (one if it holds one); the whole batch if it holds no tensor."""
     try:
-        return split_batch(batch, max(1, _first_tensor(batch).shape[0] // 2))[0][0]
+        return split_batch(batch, max(1, batch_size(batch) // 2))[0][0]
     except PipelineConfigError:
         return batch
 
