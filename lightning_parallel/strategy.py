@@ -565,6 +565,20 @@ class ParallelStrategy(_LightningParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        """``self.all_gather``: one entry per data-parallel replica (and pipeline stage), not per TP rank.
+
+        The TP ranks of a replica hold the same values, as a model on one device would compute them
+        once; gathering them all would repeat every sample ``tensor_parallel`` times. A group other
+        than the world is used as given.
+        """
+        gathered = super().all_gather(tensor, group, sync_grads)
+        default = group is None or group is dist.group.WORLD  # LightningModule.all_gather passes WORLD
+        if not default or self.mesh is None or self.mesh.tp_size == 1 or not _distributed_is_initialized():
+            return gathered
+        tp = self.mesh.tp_rank
+        return gathered[[r for r in range(self.mesh.world_size) if self.mesh.coords(r).tp == tp]]
+
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
         """Whether every rank (``all``) or any rank decided so, over all ranks (early stopping, checkpoints)."""
         if not _distributed_is_initialized():

@@ -114,3 +114,18 @@ def test_micro_batch_values_combine_as_reduce_fx_says():
     assert combine(values, "min") == 1.0
     assert combine(values, lambda t: t.prod()) == 6.0
     assert combine([(0.5, 1), (0.5, 2)], "sum") == 3  # plain numbers too
+
+
+class Gathers(Counts):
+    def on_train_epoch_end(self):
+        super().on_train_epoch_end()
+        self.log("gathered", self.all_gather(torch.ones(2)).sum())  # one device: the tensor itself, 2
+
+
+@pytest.mark.timeout(120)
+def test_all_gather_gives_one_entry_per_replica_not_per_tensor_parallel_rank(tmp_path):
+    torch.manual_seed(0)
+    records = fit_and_record(Gathers(), data(), 8, str(tmp_path), devices=2,
+                             strategy=ParallelStrategy(tensor_parallel=2, start_method="fork", timeout=60),
+                             max_steps=2, max_epochs=1, use_distributed_sampler=False)
+    assert [r["metrics"]["gathered"] for r in records] == [2.0, 2.0]  # not 4: each TP rank's copy once
