@@ -79,7 +79,7 @@ from lightning_parallel.requeue import DeferredRequeue
 from lightning_parallel.slurm_checks import LaunchConfigError, validate_launch
 from lightning_parallel.summary import count_parameters, report_whole_model
 from lightning_parallel.tensor_parallel import parallelize
-from lightning_parallel.tensor_parallel.probe import refuse_failing_split
+from lightning_parallel.tensor_parallel.probe import refuse_failing_split, refuse_wrong_split, unsplit_values
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
@@ -181,6 +181,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         self._sync_blocked = False
         self._requeue = DeferredRequeue(None)
         self._unsplit_counts: dict[str, tuple[int, int]] = {}  # parameters per module before the split
+        self._tp_reference: Optional[list] = None  # the whole model's values on the probe's example (probe.py)
         self._split_module: Optional[weakref.ref] = None  # the module split by _split, kept across Trainer calls
         self.finalize_gradients: Optional[GradientFinalizer] = None
 
@@ -357,6 +358,8 @@ class ParallelStrategy(_LightningParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         if self.tensor_parallel > 1 and self.pipeline is None:  # the pipeline probes its own stages
             refuse_failing_split(self, trainer)
+            refuse_wrong_split(self, trainer, self._tp_reference)
+            self._tp_reference = None
 
     def _apply_layer_sync(self, model: Any) -> Any:
         """``Trainer(sync_batchnorm=True)``: BatchNorm statistics over the data-parallel replicas only.
@@ -382,6 +385,8 @@ class ParallelStrategy(_LightningParallelStrategy):
             self.model_to_device()
             _sync_module_states(module)
         if self.tensor_parallel > 1:
+            if self.pipeline_parallel == 1 and not on_meta:  # what the split must reproduce (probe.py)
+                self._tp_reference = unsplit_values(self, attached_trainer(module), module)
             parallelize(module, self.mesh, plan=self.tp_plan, sequence_parallel=self.sequence_parallel)
         if self.pipeline_parallel > 1:
             if self.tensor_parallel > 1 and not on_meta:

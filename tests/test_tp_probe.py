@@ -37,7 +37,9 @@ class HardCodedWidth(nn.Module):
 
     def forward(self, x):
         h = self.up(x)
-        if self.fail_on_rank < 0:
+        if self.fail_on_rank == -2:  # runs once split, but each rank normalises only its half of the features
+            h = torch.nn.functional.rms_norm(h, (h.shape[-1],))
+        elif self.fail_on_rank < 0:
             h = h.view(*h.shape[:-1], 4, 16).relu().flatten(-2)
         elif torch.distributed.get_rank() == self.fail_on_rank:  # one rank only, before the all-reduce
             raise RuntimeError(f"rank {self.fail_on_rank} only")
@@ -113,6 +115,14 @@ def test_failure_on_one_rank_only_is_refused_on_every_rank_without_a_hang(tmp_pa
     assert messages[0] == messages[1]
     assert "on rank 1: RuntimeError: rank 1 only" in messages[0].splitlines()[0]
     assert "on some ranks only" in messages[0]
+
+
+@pytest.mark.timeout(90)
+def test_split_that_runs_but_computes_other_values_is_refused_at_setup_on_every_rank(tmp_path):
+    messages = refused_messages(Regression(fail_on_rank=-2), tmp_path)
+    assert messages[0] == messages[1]
+    assert "training_step computes other values once the model's layers are split" in messages[0]
+    assert "training_step's result is [" in messages[0] and "tensor_parallel=1" in messages[0]
 
 
 def test_refusal_names_ranks_with_the_same_error_together_in_rank_order():

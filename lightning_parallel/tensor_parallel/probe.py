@@ -22,7 +22,18 @@ finishes its forward, failing or not, and then takes part in exactly one collect
 ``all_gather_object`` of the error texts. Every rank raises the same ``LaunchConfigError`` from
 the gathered texts, naming the exception, the innermost module running when it was raised, the
 sharded layers inside that module, and what to change. Values computed with stand-ins are partial
-sums, which is fine: the probe looks for errors, not for results.
+sums, which is fine: that probe looks for errors, not for results.
+
+A split can also run without error and compute something else: a forward that normalises, takes a
+softmax or a mean over an MLP's hidden features (sharded by the column-parallel layer before it),
+or reshapes with a hard-coded head count, gives each rank a partial answer that no collective
+repairs, and the model trains silently wrong from its first step. So, once every rank's forward is
+known to finish, ``refuse_wrong_split`` runs the same step again with the real collectives, in eval
+mode (no dropout), and compares what it returns and logs with what the whole model computed on
+the same samples before the split (``unsplit_values``); a difference beyond rounding is refused on
+every rank. Skipped for a model built on the meta device (no values before the split), for one of
+more than ``REFERENCE_LIMIT`` parameters (its whole forward would run where it was built, often
+the CPU), and where the step draws random numbers in eval mode.
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
@@ -237,6 +249,104 @@ def refusal(errors: list[Optional[str]], step: str, tp_size: int) -> Optional[st
         f"sharded layer's output as if it were whole (a hard-coded width, a layer rebuilt in forward). To train "
         f"this model, {leave}, or train with data parallelism (tensor_parallel=1)."
     )
+
+REFERENCE_LIMIT = 1_000_000_000  # parameters: above, no forward of the whole model at setup
+
+
+def _floats(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value.detach()] if value.is_floating_point() else []
+    if isinstance(value, float):
+        return [torch.tensor(value)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _floats(v)]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _floats(v)]
+    return []
+
+
+def _values(module: nn.Module, step: str, example: Any, device: torch.device,
+            random_ok: bool = False) -> Optional[list[tuple[str, torch.Tensor]]]:
+    """What ``step`` returns and logs (floating values, on the CPU), forward only in eval mode; None if
+    it draws random numbers there, unless ``random_ok`` (the split model's TP layers draw one seed per
+    split region, ``random.py``, whether or not anything random runs)."""
+    capture = LogCapture(module)
+    devices = [device] if device.type == "cuda" else []
+    with ExitStack() as stack:
+        stack.enter_context(untouched(module))
+        stack.enter_context(capture.recording())
+        stack.enter_context(_modes(module, False))
+        stack.enter_context(torch.random.fork_rng(devices=devices))
+        stack.enter_context(torch.no_grad())
+        before = torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
+        out = getattr(module, step)(example, 0)
+        after = torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
+        records = capture.records()
+    drew = not torch.equal(before[0], after[0]) or any(not torch.equal(a, b) for a, b in zip(before[1], after[1]))
+    if drew and not random_ok:
+        return None
+    named = [(f"{step}'s result", t) for t in _floats(out)]
+    named += [(f"self.log({name!r})", t) for name, value, _ in records for t in _floats(value)]
+    return [(name, t.float().cpu()) for name, t in named]
+
+
+def unsplit_values(strategy: Any, trainer: Any, module: nn.Module) -> Optional[list[tuple[str, torch.Tensor]]]:
+    """The reference for ``refuse_wrong_split``: the whole model's step on the probe's example (None where
+    it is skipped, see the module docstring). Call it on every rank before the model is split."""
+    if trainer is None or trainer.state.fn not in _PROBED_STEPS:
+        return None
+    if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
+        return None
+    if sum(p.numel() for p in module.parameters()) > REFERENCE_LIMIT:
+        return None
+    batch, step = first_batch(trainer, strategy)
+    if batch is None:
+        return None
+    device = next(module.parameters()).device
+    try:
+        return _values(module, step, move_data_to_device(_small_example(batch), device), device)
+    except Exception:  # noqa: BLE001 - the whole model failing is the user's own bug, reported by the step itself
+        return None
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    low = want.dtype in (torch.float16, torch.bfloat16) or got.dtype in (torch.float16, torch.bfloat16)
+    return got.shape == want.shape and torch.allclose(got, want, rtol=3e-2 if low else 1e-3, atol=1e-3 if low else 1e-5)
+
+
+def refuse_wrong_split(strategy: Any, trainer: Any, reference: Optional[list]) -> None:
+    """Refuse, on every rank, a split whose step computes other values than the whole model's ``reference``.
+    All ranks call it after ``refuse_failing_split`` (their forwards are known to finish)."""
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, reference is not None)
+    if not all(every):
+        return
+    module = strategy.lightning_module
+    batch, step = first_batch(trainer, strategy)
+    example = move_data_to_device(_small_example(batch), strategy.root_device)
+    got = _values(module, step, example, strategy.root_device, random_ok=True)
+    found = None
+    if len(got) != len(reference):
+        found = f"{step} returns or logs {len(got)} values once split, {len(reference)} whole"
+    else:
+        for (name, value), (_, want) in zip(got, reference):
+            if not _close(value, want.to(value.dtype)):
+                found = (f"{name} is {_one_line(str(value.flatten()[:4].tolist()))} instead of "
+                         f"{_one_line(str(want.flatten()[:4].tolist()))}")
+                break
+    dist.all_gather_object(every, found)
+    if any(f is not None for f in every):
+        first = next(f for f in every if f is not None)
+        raise LaunchConfigError(
+            f"with tensor_parallel={strategy.tensor_parallel}, {step} computes other values once the model's layers "
+            f"are split over the TP ranks: on the first batch, in eval mode, {first}. Found at setup by comparing "
+            "with the whole model on the same samples; unchecked, it would train silently wrong. Likely a forward "
+            "that reduces over a sharded dimension without a collective: a norm, softmax or mean over an MLP's "
+            "hidden features between its two linear layers, or a reshape with a hard-coded head count "
+            "(view(B, T, 4, -1)). To train this model, give strategy.tp_plan a plan that leaves that module "
+            "whole (no entry for it or anything inside it), or train with data parallelism (tensor_parallel=1)."
+        )
+
 
 def refuse_failing_split(strategy: Any, trainer: Any) -> None:
     """Probe the split model with the step the Trainer is about to run; raise the same
