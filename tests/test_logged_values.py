@@ -129,3 +129,64 @@ def test_all_gather_gives_one_entry_per_replica_not_per_tensor_parallel_rank(tmp
                              strategy=ParallelStrategy(tensor_parallel=2, start_method="fork", timeout=60),
                              max_steps=2, max_epochs=1, use_distributed_sampler=False)
     assert [r["metrics"]["gathered"] for r in records] == [2.0, 2.0]  # not 4: each TP rank's copy once
+
+
+class Returns(Counts):
+    """Returns more than the loss from training_step, and logits from predict_step."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        return {"loss": loss, "accuracy": (logits.argmax(-1) == y).float().mean(), "logits": logits}
+
+    def predict_step(self, batch, batch_idx):
+        logits = self(batch[0])
+        return {"logits": logits, "mean": logits.mean()}
+
+
+class SeenByCallbacks(L.Callback):
+    def __init__(self, out):
+        self.out, self.seen = out, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.seen.append(("train", sorted(outputs), float(outputs["accuracy"]), tuple(outputs["logits"].shape),
+                          float(outputs["logits"].sum())))
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.seen.append(("predict", tuple(outputs["logits"].shape), float(outputs["logits"].sum()),
+                          float(outputs["mean"])))
+
+    def on_train_end(self, trainer, pl_module):  # fork-started workers keep nothing between Trainer calls
+        torch.save(self.seen, self.out / f"train{trainer.global_rank}.pt")
+        self.seen = []
+
+    def on_predict_end(self, trainer, pl_module):
+        torch.save(self.seen, self.out / f"predict{trainer.global_rank}.pt")
+
+
+def _seen(tmp_path, devices, strategy):
+    torch.manual_seed(0)
+    callback = SeenByCallbacks(tmp_path)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False, callbacks=[callback])
+    model, loader = Returns(), torch.utils.data.DataLoader(data(16), batch_size=8)
+    trainer.fit(model, loader)
+    trainer.predict(model, loader, return_predictions=False)
+    return [torch.load(tmp_path / f"train{r}.pt") + torch.load(tmp_path / f"predict{r}.pt") for r in range(devices)]
+
+
+@pytest.mark.timeout(120)
+def test_callbacks_see_what_the_step_returned_for_the_whole_batch_under_pipeline_parallelism(tmp_path):
+    (tmp_path / "one").mkdir()
+    (tmp_path / "pp").mkdir()
+    (one,) = _seen(tmp_path / "one", 1, "auto")
+    split = _seen(tmp_path / "pp", 2, ParallelStrategy(pipeline_parallel=2, micro_batches=4, start_method="fork",
+                                                      timeout=60))
+    assert [kind for kind, *_ in one] == ["train", "train", "predict", "predict"]
+    for seen in split:  # every rank: the extra keys, logits of all 8 samples in order, their mean
+        assert len(seen) == len(one)
+        for got, want in zip(seen, one):
+            assert got[:2] == want[:2] and (got[0] == "predict" or got[2:4] == want[2:4])
+            assert got[-1] == pytest.approx(want[-1], abs=1e-4) and got[-2] == pytest.approx(want[-2], abs=1e-4)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_parallel.compat import autograd_engine
+from lightning_parallel.compat import autograd_engine, tree_map
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.pipeline.backward_split import SplitUnsupported, backward_input
 from lightning_parallel.pipeline.broadcast import broadcast_object
@@ -42,7 +42,13 @@ from lightning_parallel.pipeline.isolation import untouched
 from lightning_parallel.pipeline.logs import LogCapture, replay
 from lightning_parallel.pipeline.meta_trace import meta_batch, meta_device
 from lightning_parallel.pipeline.memory import ActivationMeter
-from lightning_parallel.pipeline.microbatch import signature, split_batch, whole_batch_values
+from lightning_parallel.pipeline.microbatch import (
+    batch_size,
+    merge_outputs,
+    signature,
+    split_batch,
+    whole_batch_values,
+)
 from lightning_parallel.pipeline.order import RunOrder, trace_run_order, traced_conditions
 from lightning_parallel.pipeline.p2p import StageLink
 from lightning_parallel.pipeline.partition import plan_stages, shared_parameters
@@ -96,6 +102,7 @@ class _Step:
     input_grads: dict = dataclasses.field(default_factory=dict)
     weight_passes: dict = dataclasses.field(default_factory=dict)  # left by a B for its W
     results: dict = dataclasses.field(default_factory=dict)  # mb -> the user's step's return on the last stage
+    extras: dict = dataclasses.field(default_factory=dict)  # mb -> what training_step returned beside "loss"
     sending: dict = dataclasses.field(default_factory=dict)  # action index of a send -> (works, bytes kept alive)
 
     @property
@@ -299,7 +306,8 @@ class PipelineEngine:
 
     # ---- the strategy's calls ---------------------------------------------------------------
     def training_step(self, batch: Any, batch_idx: int, loss_scale: float = 1.0) -> torch.Tensor:
-        """Forward and backward of every micro-batch; returns the batch's mean loss on every rank."""
+        """Forward and backward of every micro-batch; returns the batch's mean loss on every rank (with the
+        other keys of a dict ``training_step`` returns, merged over the micro-batches)."""
         return self._run(self.module.training_step, batch, (batch_idx,), loss_scale)
 
     def validation_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
@@ -375,7 +383,7 @@ class PipelineEngine:
             for works, nbytes in sending.values():
                 self._release(works, nbytes)
             self.runtime.forget_substitutions()
-        return self._finish(step.results, weights, training)
+        return self._finish(step, [batch_size(m) for m in micro])
 
     def _compute(self, a, step: _Step) -> None:
         """Run compute action ``a``: a forward, a backward (the input gradient alone where a W follows), a W."""
@@ -454,6 +462,9 @@ class PipelineEngine:
             root = loss * (step.weights[key[0]] * step.loss_scale)
             roots, root_grads = (root,), (torch.ones_like(root),)
             step.results[key[0]] = loss.detach()  # the graph's nodes would keep tensors alive until the step ends
+            if isinstance(result, dict) and len(result) > 1:  # on_train_batch_end sees them, as on one device
+                step.extras[key[0]] = tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v,
+                                               {k: v for k, v in result.items() if k != "loss"})
         else:
             # the output's storage was released after sending; run the engine on its graph directly
             roots, root_grads = (step.outputs.pop(key),), (step.grads.pop(key),)
@@ -521,27 +532,38 @@ class PipelineEngine:
         if self.meter and nbytes:
             self.meter.add(-nbytes)
 
-    def _finish(self, results: dict, weights: list[float], training: bool) -> Any:
-        """Broadcast the last stage's loss (or outputs) and log records; replay the logs everywhere."""
-        mesh = self.mesh
+    def _finish(self, step: _Step, sizes: list[int]) -> Any:
+        """Broadcast the last stage's loss (or outputs) and log records; replay the logs everywhere.
+
+        Training returns the batch's loss, or ``{"loss": ..., **extras}`` where ``training_step``
+        returned more keys; evaluation returns the step's outputs merged over the micro-batches
+        (``microbatch.merge_outputs``: what one call on the whole batch would have returned).
+        """
+        mesh, results, training = self.mesh, step.results, step.training
         payload: Any = None
         holder = self.plan.rank_of_stage(self.plan.num_stages - 1)  # the rank of the last stage
         if mesh.pp_rank == holder:
             records = self.capture.records()
+            extras = None
             if training:
                 # at least float32 (a bf16 loss is summed in float32), float64 under ``64-true``
                 value = sum(w * results[mb].to(torch.promote_types(results[mb].dtype, torch.float32)).cpu()
-                            for mb, w in enumerate(weights))
+                            for mb, w in enumerate(step.weights))
+                if len(step.extras) == len(results):
+                    extras = tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v,
+                                      merge_outputs([step.extras[mb] for mb in sorted(step.extras)], sizes))
             else:
-                value = [results[mb] for mb in sorted(results)]
-            payload = (value, records)
+                value = merge_outputs([results[mb] for mb in sorted(results)], sizes)
+            payload = (value, records, extras)
         if mesh.pp_size > 1:
             payload = broadcast_object(payload, mesh.stage_rank(holder), mesh.pp_group, self.link.device,
                                        mesh.pp_rank == holder)
-        value, records = payload
+        value, records, extras = payload
         replay(self.module, records)
-        if training:
-            return value.to(next(self.module.parameters()).device)
-        if all(v is None for v in value):
-            return None
-        return value[0] if len(value) == 1 else value
+        if not training:
+            return value
+        device = next(self.module.parameters()).device
+        loss = value.to(device)
+        if extras is None:
+            return loss
+        return {"loss": loss, **tree_map(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, extras)}

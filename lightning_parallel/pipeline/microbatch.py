@@ -1,4 +1,5 @@
-"""Split a batch into micro-batches along dim 0 (tensors, or tuples, lists and dicts of them)."""
+"""Split a batch into micro-batches along dim 0 (tensors, or tuples, lists and dicts of them), and
+merge what the step returns for each micro-batch back into what it would return for the batch."""
 
 from __future__ import annotations
 
@@ -106,3 +107,40 @@ def signature(micro_batch: Any) -> tuple:
     if micro_batch is None or isinstance(micro_batch, (bool, int, float, str)):
         return ("V", micro_batch)
     return ("O", type(micro_batch).__qualname__)
+
+
+def merge_outputs(values: list[Any], sizes: list[int]) -> Any:
+    """What a step would return for the whole batch, from its returns for micro-batches of ``sizes``.
+
+    Tensors with a row per sample are concatenated along dim 0 (predictions, logits); scalar tensors
+    and numbers are averaged with the micro-batches' shares of the samples (a mean loss); dicts,
+    tuples and lists of the same structure merge entry by entry; anything else is kept when every
+    micro-batch returned the same, and otherwise stays a list with one entry per micro-batch.
+    """
+    if len(values) == 1:
+        return values[0]
+    first = values[0]
+    total = sum(sizes)
+    if all(isinstance(v, torch.Tensor) for v in values):
+        if all(v.dim() > 0 and v.shape[0] == n for v, n in zip(values, sizes)):
+            return torch.cat(values, dim=0)
+        if all(v.dim() == 0 for v in values) and all(v.is_floating_point() for v in values):
+            return sum(v * (n / total) for v, n in zip(values, sizes))
+        return list(values)
+    if all(isinstance(v, float) for v in values):
+        return sum(v * n for v, n in zip(values, sizes)) / total
+    if isinstance(first, dict) and all(isinstance(v, dict) and v.keys() == first.keys() for v in values):
+        return type(first)({k: merge_outputs([v[k] for v in values], sizes) for k in first})
+    if (isinstance(first, (tuple, list)) and not hasattr(first, "_fields")
+            and all(type(v) is type(first) and len(v) == len(first) for v in values)):
+        return type(first)(merge_outputs([v[i] for v in values], sizes) for i in range(len(first)))
+    if all(v is first or (not isinstance(v, torch.Tensor) and _equal(v, first)) for v in values):
+        return first
+    return list(values)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - objects without a plain equality
+        return False
