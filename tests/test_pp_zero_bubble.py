@@ -346,7 +346,7 @@ def _final_weight_contexts(rank, world):
             p.register_post_accumulate_grad_hook(lambda p: events.append(("grad", p, tuple(inside))))
         batch = batches(steps=1)[0]
         with torch.no_grad():  # evaluation on the same placement, as Lightning's predict loop runs it
-            logits = torch.cat(engine.predict_step(batch[0], 0)).numpy()
+            logits = engine.predict_step(batch[0], 0).numpy()  # the whole batch's logits, merged
         engine.training_step(batch, 0)
         entered = sorted(s for kind, s, *_ in events if kind == "enter")
         last_grad = {}

@@ -67,9 +67,8 @@ class PredictionFile(Callback):
         self.path, self.outputs = path, []
 
     def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
-        # a pipeline returns one output per micro-batch (pipeline/engine.py)
-        parts = outputs if isinstance(outputs, list) else [outputs]
-        self.outputs += torch.cat([o.reshape(-1) for o in parts]).tolist()
+        assert outputs.shape == (len(batch[0]),)  # the whole batch's, also when pipelined in micro-batches
+        self.outputs += outputs.tolist()
 
     def on_predict_end(self, trainer, pl_module):
         if trainer.global_rank == 0:
