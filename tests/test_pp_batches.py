@@ -47,6 +47,20 @@ def test_short_and_uneven_batches_train_to_the_single_device_mean(tmp_path, batc
     assert_records_match(reference, records, param_tol=3e-4)
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "dualpipev"])
+def test_a_short_last_batch_the_schedule_cannot_split_trains_in_gpipe_order(tmp_path, schedule):
+    # 17 samples in batches of 8: the last batch's 1 micro-batch is no multiple of P=2 (interleaved 1F1B)
+    # and fewer than 2P (DualPipeV); it runs forwards then backwards on the same stages (schedule_flush)
+    warnings.filterwarnings("ignore")
+    module, dataset = small_gpt(), data()
+    reference = fit_and_record(module, dataset, 8, str(tmp_path / "ref"), max_steps=6)[0]
+    records = fit_and_record(module, dataset, 8, str(tmp_path / "pp"), devices=2, max_steps=6,
+                             strategy=pp_strategy(micro_batches=4, schedule=schedule, virtual_stages=2),
+                             use_distributed_sampler=False)
+    assert_records_match(reference, records, param_tol=3e-4)  # tolerance: see the test above
+
+
 class _ValLoss(L.Callback):
     def __init__(self, out):
         self.out, self.values = out, []

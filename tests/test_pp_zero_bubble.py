@@ -385,20 +385,3 @@ def test_zbv_checkpoint_consolidates_and_resumes_on_one_device_and_on_looped_sta
     consolidate_main([str(checkpoint), str(plain)])
     assert_continues(train_and_record(tmp_path / "one", ckpt_path=plain), reference)
     assert_continues(train_and_record(tmp_path / "1f1b", devices=2, pp=2, ckpt_path=checkpoint), reference)
-
-
-def _short_batch(rank, world):
-    warnings.filterwarnings("ignore")
-    engine = PipelineEngine(gpt(), make_mesh(rank, world, pp=world), 4, "dualpipev", 2)
-    engine.partition()
-    try:
-        engine.training_step(batches(steps=1, batch=3)[0], 0)
-    except Exception as error:  # noqa: BLE001 - the message is what is tested
-        return str(error)
-    return ""
-
-
-@pytest.mark.timeout(30)
-def test_a_batch_too_short_for_dualpipev_is_refused_on_every_rank_with_what_works():
-    for message in run_distributed(_short_batch, 2):
-        assert "cannot run dualpipev" in message and "drop_last=True" in message and "schedule='zbv'" in message

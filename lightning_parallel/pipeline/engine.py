@@ -57,8 +57,10 @@ from lightning_parallel.pipeline.schedules import (
     SCHEDULES,
     communication_runs,
     defer_last_weight_pass,
+    schedule_flush,
     schedule_forward_only,
     send_completion_points,
+    validate,
     validate_schedule,
 )
 from lightning_parallel.pipeline.randomness import StageRandomness
@@ -278,19 +280,15 @@ class PipelineEngine:
         if key not in self._schedules:
             mesh, rank = self.mesh, self.mesh.pp_rank
             if training:
-                if self.schedule_name == "interleaved_1f1b" and micro_batches % mesh.pp_size:
-                    raise PipelineConfigError(
-                        f"a batch split into {micro_batches} micro-batches (fewer samples than micro_batches="
-                        f"{self.micro_batches}) cannot run interleaved_1f1b, which needs a multiple of the "
-                        f"{mesh.pp_size} stages; use DataLoader(drop_last=True) or schedule='1f1b'"
-                    )
-                if self.schedule_name == "dualpipev" and micro_batches < 2 * mesh.pp_size:
-                    raise PipelineConfigError(
-                        f"a batch split into {micro_batches} micro-batches (fewer samples than micro_batches="
-                        f"{self.micro_batches}) cannot run dualpipev, which needs at least 2 x {mesh.pp_size} "
-                        "stages; use DataLoader(drop_last=True) or schedule='zbv'"
-                    )
-                every = validate_schedule(self.schedule_name, mesh.pp_size, micro_batches, self.virtual_stages)
+                try:
+                    every = validate_schedule(self.schedule_name, mesh.pp_size, micro_batches, self.virtual_stages)
+                except PipelineConfigError:
+                    if micro_batches >= self.micro_batches:
+                        raise
+                    # a short last batch (fewer samples than micro_batches) the schedule cannot split: GPipe order
+                    every = [schedule_flush(mesh.pp_size, micro_batches, r, self.virtual_stages, self.placement)
+                             for r in range(mesh.pp_size)]
+                    validate(every, micro_batches, self.placement)
                 every = [defer_last_weight_pass(acts) for acts in every]
             else:
                 every = [schedule_forward_only(mesh.pp_size, micro_batches, r, self.virtual_stages, self.placement)

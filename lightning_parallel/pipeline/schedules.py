@@ -288,6 +288,18 @@ def schedule_forward_only(stages: int, micro_batches: int, rank: int, virtual_st
     return [a for mb, s in order for a in _forward(mb, s, total)]
 
 
+def schedule_flush(stages: int, micro_batches: int, rank: int, virtual_stages: int = 1,
+                   placement: str = "loop") -> list[Action]:
+    """GPipe on any placement: the forwards of ``schedule_forward_only``, then every backward, the
+    rank's later stages first. Runs any number of micro-batches, so a short last batch that the
+    chosen schedule cannot split (interleaved 1F1B needs a multiple of P micro-batches, DualPipeV at
+    least 2P) still trains on the same stages, holding its few micro-batches' activations at once."""
+    total = stages * virtual_stages
+    mine = stages_of_rank(rank, stages, total, placement)
+    backwards = [a for s in sorted(mine, reverse=True) for mb in range(micro_batches) for a in _backward(mb, s, total)]
+    return schedule_forward_only(stages, micro_batches, rank, virtual_stages, placement) + backwards
+
+
 def send_completion_points(schedules: list[list[Action]]) -> list[dict[int, int]]:
     """For each rank, send index -> index of its first later action that proves the send was received.
 
