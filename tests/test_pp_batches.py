@@ -252,3 +252,27 @@ def test_trainer_fit_refuses_a_model_that_cannot_be_split_at_setup(tmp_path):
     with pytest.raises(Exception, match="the hidden-state input of block 3 depends on the input of block 1"):
         fit_and_record(SkipConnectedModule(), TensorDataset(torch.randn(16, 4)), 4, str(tmp_path), devices=2,
                        strategy=pp_strategy(micro_batches=2), max_steps=1, use_distributed_sampler=False)
+
+
+class SkipsSecondBatch(GPT):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1:  # Lightning's way to skip a step on one device
+            return None
+        return super().training_step(batch, batch_idx)
+
+
+def _skipping(rank, world):
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    engine = PipelineEngine(SkipsSecondBatch(n_layer=4, n_embd=32, n_head=2, block_size=16),
+                            make_mesh(rank, world, pp=world), 2, "1f1b")
+    engine.partition()
+    batch = tuple(torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(k)) for k in range(2))
+    engine.training_step(batch, 0)
+    engine.training_step(batch, 1)
+
+
+@pytest.mark.timeout(60)
+def test_returning_none_to_skip_a_step_stops_with_what_to_do_instead():
+    with pytest.raises(AssertionError, match="cannot be skipped by returning early .* filter such batches"):
+        run_distributed(_skipping, 2, timeout=30)

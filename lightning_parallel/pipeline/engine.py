@@ -427,6 +427,13 @@ class PipelineEngine:
             return exit_.hidden, self.runtime.convention
         finally:
             self.runtime.end()
+        if not last and not self.runtime.blocks_started:
+            raise PipelineConfigError(
+                f"{getattr(step_fn, '__name__', 'the step')} returned {type(result).__name__} on pipeline stage "
+                f"{stage} before the model's blocks ran. Under pipeline parallelism every stage runs every "
+                "micro-batch through its blocks, so a step cannot be skipped by returning early (Lightning's "
+                "return None); filter such batches in the DataLoader (a collate_fn or sampler) instead"
+            )
         if not last:
             raise RuntimeError(
                 f"forward completed on pipeline stage {stage} of {self.plan.num_stages}: the block after it "
