@@ -50,9 +50,9 @@ class Counts(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        self.seen.update(torch.tensor(float(len(x))))  # before the model: every pipeline stage runs this line
         logits = self(x)
         loss = F.cross_entropy(logits, y)
-        self.seen.update(torch.tensor(float(len(x))))
         self.log("samples", float(len(x)), reduce_fx="sum", sync_dist=True, on_step=False, on_epoch=True)
         self.log("correct", (logits.argmax(-1) == y).sum().float(), reduce_fx="sum", on_step=False, on_epoch=True)
         self.log("max_logit", logits.max(), reduce_fx="max", on_step=False, on_epoch=True)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
@@ -147,6 +147,9 @@ class PipelineEngine:
         self.plan = plan_stages(module, mesh.pp_size, virtual_stages, blocks, layout, placement=self.placement)
         self.runtime = StageRuntime()
         self.capture = LogCapture(module)
+        # torchmetrics a step updates before the model runs would count each sample on every stage; only
+        # the last stage's updates stay (the others' states are put back after each forward)
+        self.metrics = [m for m in module.modules() if type(m).__module__.startswith("torchmetrics.")]
         self.tied: list[tuple[nn.Parameter, Any, tuple[int, ...]]] = []
         self.meter: Optional[ActivationMeter] = None
         self.timeline: Optional[list[Interval]] = None
@@ -421,7 +424,10 @@ class PipelineEngine:
         self.runtime.begin(self.plan.stage_blocks[stage], not last, received, convention or 0, training)
         tracking = self.meter.tracking() if self.meter and training else nullcontext()
         try:
-            with tracking, self.randomness.active() if self.randomness else nullcontext():
+            with tracking, self.randomness.active() if self.randomness else nullcontext(), ExitStack() as kept:
+                if not last:
+                    for metric in self.metrics:
+                        kept.enter_context(untouched(metric))
                 result = step_fn(micro_batch, *step_args)
         except StageExit as exit_:
             return exit_.hidden, self.runtime.convention
