@@ -24,7 +24,7 @@ STEPS, BATCH, SEQ, VOCAB = 4, 4, 16, 128
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]  # colwise and rowwise bases
 
 
-def lora_llama(hidden: int = 64, vocab: int = VOCAB) -> nn.Module:
+def lora_llama(hidden: int = 64, vocab: int = VOCAB, modules_to_save=None) -> nn.Module:
     """A tiny HF Llama (4 heads, 2 KV heads) under ``peft.get_peft_model``: only adapters train.
     ``init_lora_weights=False`` draws B at random too, so the adapters change the loss from step 0."""
     from peft import LoraConfig, get_peft_model
@@ -32,16 +32,17 @@ def lora_llama(hidden: int = 64, vocab: int = VOCAB) -> nn.Module:
 
     config = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4, num_key_value_heads=2,
                          num_hidden_layers=2, vocab_size=vocab, max_position_embeddings=SEQ)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0, init_lora_weights=False,
+                      modules_to_save=modules_to_save)
     return get_peft_model(LlamaForCausalLM(config), lora)
 
 
 class LoraModule(L.LightningModule):
     """A user's LightningModule fine-tuning LoRA adapters on a Hugging Face causal LM."""
 
-    def __init__(self) -> None:
+    def __init__(self, modules_to_save=None) -> None:
         super().__init__()
-        self.net = lora_llama()
+        self.net = lora_llama(modules_to_save=modules_to_save)
 
     def training_step(self, batch, batch_idx):
         x, _ = batch
@@ -51,9 +52,9 @@ class LoraModule(L.LightningModule):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=3e-3, eps=1e-6)
 
 
-def fit(path, strategy=None):
+def fit(path, strategy=None, modules_to_save=None):
     L.seed_everything(0)
-    model = LoraModule()
+    model = LoraModule(modules_to_save)
     data = torch.randint(0, VOCAB, (STEPS * BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
     trainer = L.Trainer(
         accelerator="cpu", devices=2 if strategy else 1, strategy=strategy or "auto", max_steps=STEPS, logger=False,
@@ -72,6 +73,19 @@ def test_trainer_tp2_peft_lora_llama_matches_single_device(tmp_path):
     assert got["params"].keys() == expected["params"].keys()
     trained = [n for n in expected["params"] if "lora_" in n]
     assert len(trained) == 2 * 2 * len(TARGETS)  # A and B, per layer, per target
+    for name, p in got["params"].items():
+        torch.testing.assert_close(p, expected["params"][name], **PARAM_TOL, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("saved", ["lm_head", "embed_tokens"])
+def test_tp2_lora_with_a_trainable_copy_of_the_head_or_embedding_matches_single_device(tmp_path, saved):
+    # PEFT's modules_to_save wraps the layer with a trainable copy; both are split as the layer would be
+    expected = fit(tmp_path / "single.pt", modules_to_save=[saved])
+    got = fit(tmp_path / "tp2.pt", ParallelStrategy(tensor_parallel=2, start_method="fork"), modules_to_save=[saved])
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected["losses"]), **LOSS_TOL)
+    copy = [n for n in expected["params"] if f"{saved}.modules_to_save.default.weight" in n]
+    assert len(copy) == 1  # the trainable copy, compared below with everything else
     for name, p in got["params"].items():
         torch.testing.assert_close(p, expected["params"][name], **PARAM_TOL, msg=lambda m, name=name: f"{name}: {m}")
 

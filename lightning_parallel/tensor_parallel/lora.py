@@ -54,13 +54,31 @@ def _route(glob: str, entry: PlanEntry) -> Plan:
     return routed
 
 
+def _is_saved_copy(module: nn.Module) -> bool:
+    """PEFT's ``ModulesToSaveWrapper`` (``modules_to_save=["lm_head"]``): the original module and a
+    trainable copy per adapter, of which the active one runs."""
+    return type(module).__name__ == "ModulesToSaveWrapper" and hasattr(module, "original_module") \
+        and isinstance(getattr(module, "modules_to_save", None), nn.ModuleDict)
+
+
 def route_lora(root: nn.Module, plan: Plan) -> Plan:
     """``plan`` with every entry that names a PEFT LoRA layer replaced by entries for its base
-    layer and adapters (see the module docstring); other entries unchanged."""
+    layer and adapters (see the module docstring), and every entry that names a PEFT
+    ``modules_to_save`` wrapper by the same entry for the original module and each saved copy
+    (whichever the adapter selects runs, split alike); other entries unchanged."""
     modules = dict(root.named_modules())
     routed: Plan = {}
     for glob, entry in plan.items():
         matched = [n for n in modules if n and glob_matches(n, glob)]
+        saved = [n for n in matched if _is_saved_copy(modules[n])]
+        if saved:
+            for name in matched:
+                if name in saved:
+                    routed[f"{name}.original_module"] = entry
+                    routed[f"{name}.modules_to_save.*"] = entry
+                else:
+                    routed[name] = entry
+            continue
         lora = [n for n in matched if is_lora_layer(modules[n])]
         if not lora:
             routed[glob] = entry
