@@ -181,7 +181,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         self._sync_blocked = False
         self._requeue = DeferredRequeue(None)
         self._unsplit_counts: dict[str, tuple[int, int]] = {}  # parameters per module before the split
-        self._tp_reference: Optional[list] = None  # the whole model's values on the probe's example (probe.py)
+        self._tp_reference: Optional[tuple] = None  # the whole model's values on the probe's example (probe.py)
         self._split_module: Optional[weakref.ref] = None  # the module split by _split, kept across Trainer calls
         self.finalize_gradients: Optional[GradientFinalizer] = None
 
@@ -358,7 +358,7 @@ class ParallelStrategy(_LightningParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         if self.tensor_parallel > 1 and self.pipeline is None:  # the pipeline probes its own stages
             refuse_failing_split(self, trainer)
-            refuse_wrong_split(self, trainer, self._tp_reference)
+            refuse_wrong_split(self, self._tp_reference)
             self._tp_reference = None
 
     def _apply_layer_sync(self, model: Any) -> Any:
