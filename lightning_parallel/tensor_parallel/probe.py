@@ -29,9 +29,9 @@ softmax or a mean over an MLP's hidden features (sharded by the column-parallel 
 or reshapes with a hard-coded head count, gives each rank a partial answer that no collective
 repairs, and the model trains silently wrong from its first step. So, once every rank's forward is
 known to finish, ``refuse_wrong_split`` runs the same step again with the real collectives, in eval
-mode (no dropout), and compares what it returns and logs with what the whole model computed on
-the same samples before the split (``unsplit_values``); a difference beyond rounding is refused on
-every rank. Skipped for a model built on the meta device (no values before the split), for one of
+mode (no dropout), and compares the scalars it returns and logs (the loss, logged values) with what
+the whole model computed on the same samples before the split (``unsplit_values``); a difference
+beyond rounding is refused on every rank. Skipped for a model built on the meta device (no values before the split), for one of
 more than ``REFERENCE_LIMIT`` parameters (its whole forward would run where it was built, often
 the CPU), and where the step draws random numbers in eval mode.
 """
@@ -287,7 +287,9 @@ def _values(module: nn.Module, step: str, example: Any, device: torch.device,
         return None
     named = [(f"{step}'s result", t) for t in _floats(out)]
     named += [(f"self.log({name!r})", t) for name, value, _ in records for t in _floats(value)]
-    return [(name, t.cpu()) for name, t in named]
+    # scalars only (losses, logged values): what training follows; a returned tensor such as logits may be
+    # left sharded on purpose (vocab-parallel loss code) and is no sign of a wrong split
+    return [(name, t.cpu()) for name, t in named if t.numel() == 1]
 
 
 def unsplit_values(strategy: Any, trainer: Any, module: nn.Module) -> Optional[tuple[list, str, Any]]:
