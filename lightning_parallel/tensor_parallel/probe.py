@@ -31,7 +31,10 @@ repairs, and the model trains silently wrong from its first step. So, once every
 known to finish, ``refuse_wrong_split`` runs the same step again with the real collectives, in eval
 mode (no dropout), and compares the scalars it returns and logs (the loss, logged values) with what
 the whole model computed on the same samples before the split (``unsplit_values``); a difference
-beyond rounding is refused on every rank. Skipped for a model built on the meta device (no values before the split), for one of
+beyond rounding is refused on every rank. Both runs use full-precision float32 matmuls (no TF32), so a reference computed on the
+CPU and a split run on a GPU agree to rounding. What a first step cannot show is not caught: an
+attention reshaped with a hard-coded head count is nearly uniform at initialisation and moved a
+test loss by 7e-5 only, below the tolerance. Skipped for a model built on the meta device (no values before the split), for one of
 more than ``REFERENCE_LIMIT`` parameters (its whole forward would run where it was built, often
 the CPU), and where the step draws random numbers in eval mode.
 """
@@ -265,6 +268,21 @@ def _floats(value: Any) -> list[torch.Tensor]:
     return []
 
 
+@contextmanager
+def _full_float32() -> Iterator[None]:
+    """float32 matmuls in full precision (no TF32) inside: the whole model's reference often runs on the
+    CPU and the split on a GPU, which must then agree to float32 rounding, not to TF32's ~1e-3."""
+    precision = torch.get_float32_matmul_precision()
+    cudnn = torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cudnn.allow_tf32 = cudnn
+
+
 def _values(module: nn.Module, step: str, example: Any, device: torch.device,
             random_ok: bool = False) -> Optional[list[tuple[str, torch.Tensor]]]:
     """What ``step`` returns and logs (floating values, on the CPU), forward only in eval mode; None if
@@ -273,6 +291,7 @@ def _values(module: nn.Module, step: str, example: Any, device: torch.device,
     capture = LogCapture(module)
     devices = [device] if device.type == "cuda" else []
     with ExitStack() as stack:
+        stack.enter_context(_full_float32())
         stack.enter_context(untouched(module))
         stack.enter_context(capture.recording())
         stack.enter_context(_modes(module, False))
