@@ -132,12 +132,17 @@ def refusing_gpt():
     return model
 
 
-def _refusing(rank, world):
+def train_noting_split(rank, world, make_model, schedule):
+    """``train_pipeline`` on this rank, and whether its engine still splits backwards at the end."""
     warnings.filterwarnings("ignore")
     engines, partition = [], PipelineEngine.partition
     PipelineEngine.partition = lambda self, *args: (engines.append(self), partition(self, *args))[1]
-    result = train_pipeline(make_mesh(rank, world, pp=world), refusing_gpt, batches(), 4, "1f1b")
+    result = train_pipeline(make_mesh(rank, world, pp=world), make_model, batches(), 4, schedule)
     return result, engines[0].split_backward
+
+
+def _refusing(rank, world):
+    return train_noting_split(rank, world, refusing_gpt, "1f1b")
 
 
 @pytest.mark.timeout(60)

@@ -27,7 +27,6 @@ from test_pp_training import (
     single_device,
     small_gpt,
     token_data,
-    train_pipeline,
 )
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -295,12 +294,9 @@ def test_trainer_zb_h1_bf16_mixed_tracks_single_device(tmp_path):
 
 def _checkpointed_zb_h1(rank, world):
     from test_pp_checkpointing import checkpointed_gpt
+    from test_pp_overlap import train_noting_split
 
-    warnings.filterwarnings("ignore")
-    engines, partition = [], PipelineEngine.partition
-    PipelineEngine.partition = lambda self, *args: (engines.append(self), partition(self, *args))[1]
-    result = train_pipeline(make_mesh(rank, world, pp=world), checkpointed_gpt, batches(), 4, "zb_h1")
-    return result, engines[0].split_backward
+    return train_noting_split(rank, world, checkpointed_gpt, "zb_h1")
 
 
 @pytest.mark.timeout(60)

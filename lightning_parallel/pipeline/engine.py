@@ -37,6 +37,7 @@ from lightning_parallel.compat import autograd_engine, tree_map
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.pipeline.backward_split import SplitUnsupported, backward_input
 from lightning_parallel.pipeline.broadcast import broadcast_object
+from lightning_parallel.pipeline.compare import close, floating_tensors
 from lightning_parallel.pipeline.errors import PipelineConfigError, PipelineIncompatibleModel
 from lightning_parallel.pipeline.isolation import untouched
 from lightning_parallel.pipeline.logs import LogCapture, replay
@@ -66,24 +67,6 @@ from lightning_parallel.pipeline.schedules import (
 from lightning_parallel.pipeline.randomness import StageRandomness
 from lightning_parallel.pipeline.simulator import Interval
 from lightning_parallel.pipeline.stage_modules import StageExit, StageRuntime, apply_stage_plan
-
-
-def _floating(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value] if value.is_floating_point() else []
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _floating(v)]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _floating(v)]
-    return []
-
-
-def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """Equal up to rounding: the stage runs the very operations of the traced forward; a value taken
-    from a stand-in instead differs at the scale of the values themselves."""
-    low = want.dtype in (torch.float16, torch.bfloat16)
-    return got.shape == want.shape and torch.allclose(got.float().cpu(), want.float().cpu(), rtol=3e-2 if low else 1e-3,
-                                                      atol=1e-3 if low else 1e-5)
 
 
 @dataclasses.dataclass
@@ -257,10 +240,12 @@ class PipelineEngine:
                     "update into the blocks, choose another pipeline_layout, or train with pipeline_parallel=1"
                 )
             elif order.deterministic:
-                got = [out[0]] if stage < last else [t for t in _floating(out)]
+                got = [out[0]] if stage < last else floating_tensors(out)
                 want = [order.inputs[blocks.stop]] if stage < last else list(order.results)
                 what = f"the input of block {blocks.stop}" if stage < last else "the step's result"
-                if len(got) != len(want) or not all(_close(g.detach(), w) for g, w in zip(got, want)):
+                # equal up to rounding: the stage runs the very operations of the traced forward; a value
+                # taken from a stand-in instead differs at the scale of the values themselves
+                if len(got) != len(want) or not all(close(g.detach(), w, rtol=1e-3) for g, w in zip(got, want)):
                     problems.append(
                         f"pipeline stage {stage} computes {what} differently from the whole model on the example "
                         "batch: a value other than the hidden state reaches a later stage outside autograd (a "

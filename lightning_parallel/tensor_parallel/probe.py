@@ -51,6 +51,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
+from lightning_parallel.pipeline.compare import close, floating_tensors
 from lightning_parallel.pipeline.errors import PipelineConfigError
 from lightning_parallel.pipeline.example import first_batch
 from lightning_parallel.pipeline.isolation import untouched
@@ -256,18 +257,6 @@ def refusal(errors: list[Optional[str]], step: str, tp_size: int) -> Optional[st
 REFERENCE_LIMIT = 1_000_000_000  # parameters: above, no forward of the whole model at setup
 
 
-def _floats(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value.detach()] if value.is_floating_point() else []
-    if isinstance(value, float):
-        return [torch.tensor(value)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _floats(v)]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _floats(v)]
-    return []
-
-
 @contextmanager
 def _full_float32() -> Iterator[None]:
     """float32 matmuls in full precision (no TF32) inside: the whole model's reference often runs on the
@@ -304,11 +293,11 @@ def _values(module: nn.Module, step: str, example: Any, device: torch.device,
     drew = not torch.equal(before[0], after[0]) or any(not torch.equal(a, b) for a, b in zip(before[1], after[1]))
     if drew and not random_ok:
         return None
-    named = [(f"{step}'s result", t) for t in _floats(out)]
-    named += [(f"self.log({name!r})", t) for name, value, _ in records for t in _floats(value)]
+    named = [(f"{step}'s result", t) for t in floating_tensors(out, numbers=True)]
+    named += [(f"self.log({name!r})", t) for name, value, _ in records for t in floating_tensors(value, numbers=True)]
     # scalars only (losses, logged values): what training follows; a returned tensor such as logits may be
     # left sharded on purpose (vocab-parallel loss code) and is no sign of a wrong split
-    return [(name, t.cpu()) for name, t in named if t.numel() == 1]
+    return [(name, t.detach().cpu()) for name, t in named if t.numel() == 1]
 
 
 def unsplit_values(strategy: Any, trainer: Any, module: nn.Module) -> Optional[tuple[list, str, Any]]:
@@ -333,14 +322,6 @@ def unsplit_values(strategy: Any, trainer: Any, module: nn.Module) -> Optional[t
     return None if values is None else (values, step, example)
 
 
-def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """Equal up to the rounding of reordered sums: 1e-4 relative in float32 (a split reorders sums at
-    ~1e-6; a softmax over half an MLP's features moved a loss by 3.7e-4), 3e-2 in half precision."""
-    low = {got.dtype, want.dtype} & {torch.float16, torch.bfloat16}
-    return got.shape == want.shape and torch.allclose(got.float(), want.float(), rtol=3e-2 if low else 1e-4,
-                                                      atol=1e-3 if low else 1e-5)
-
-
 def refuse_wrong_split(strategy: Any, reference: Optional[tuple[list, str, Any]]) -> None:
     """Refuse, on every rank, a split whose step computes other values than ``unsplit_values`` found for
     the whole model. All ranks call it after ``refuse_failing_split`` (their forwards are known to finish)."""
@@ -359,7 +340,8 @@ def refuse_wrong_split(strategy: Any, reference: Optional[tuple[list, str, Any]]
         found = f"{step} returns or logs {len(got)} values once split, {len(want_values)} whole"
     elif found is None:
         for (name, value), (_, want) in zip(got, want_values):
-            if not _close(value, want):
+            # a split reorders sums at ~1e-6; a softmax over half an MLP's features moved a loss by 3.7e-4
+            if not close(value, want, rtol=1e-4):
                 found = (f"{name} is {_one_line(str(value.flatten()[:4].tolist()))} instead of "
                          f"{_one_line(str(want.flatten()[:4].tolist()))}")
                 break
