@@ -357,7 +357,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         if self.tensor_parallel > 1 and self.pipeline is None:  # the pipeline probes its own stages
-            refuse_failing_split(self, trainer)
+            refuse_failing_split(self, trainer, self._tp_reference)
             refuse_wrong_split(self, self._tp_reference)
             self._tp_reference = None
 

@@ -133,16 +133,16 @@ def test_refusal_names_ranks_with_the_same_error_together_in_rank_order():
 
 
 def without_probe(monkeypatch) -> None:
-    monkeypatch.setattr(strategy_module, "refuse_failing_split", lambda strategy, trainer: None)
+    monkeypatch.setattr(strategy_module, "refuse_failing_split", lambda strategy, trainer, reference=None: None)
 
 
 def counting_probe(monkeypatch, out: Path) -> None:
     """The real probe, leaving one file per rank that ran it (fork-started ranks share no memory)."""
     real = strategy_module.refuse_failing_split
 
-    def probe(strategy, trainer):
+    def probe(strategy, trainer, reference=None):
         (out / f"probed{strategy.global_rank}").touch()
-        real(strategy, trainer)
+        real(strategy, trainer, reference)
 
     monkeypatch.setattr(strategy_module, "refuse_failing_split", probe)
 

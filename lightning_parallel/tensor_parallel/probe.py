@@ -359,9 +359,11 @@ def refuse_wrong_split(strategy: Any, reference: Optional[tuple[list, str, Any]]
         )
 
 
-def refuse_failing_split(strategy: Any, trainer: Any) -> None:
+def refuse_failing_split(strategy: Any, trainer: Any, reference: Optional[tuple[list, str, Any]] = None) -> None:
     """Probe the split model with the step the Trainer is about to run; raise the same
     ``LaunchConfigError`` on every rank if it fails on any. All ranks must call it (one collective).
+    ``reference`` (``unsplit_values``) brings the example read before the split, so the loader is not
+    read again.
 
     Skipped where there is nothing to run or it cannot run forward only: another Trainer function
     (``predict``), no data, or ``training_step`` under manual optimisation (it steps optimizers itself).
@@ -370,8 +372,12 @@ def refuse_failing_split(strategy: Any, trainer: Any) -> None:
         return
     if trainer.state.fn == TrainerFn.FITTING and not strategy.lightning_module.automatic_optimization:
         return
-    batch, step = first_batch(trainer, strategy)
-    error = None if batch is None else _run(strategy, step, _small_example(batch))
+    if reference is not None:
+        _, step, example = reference
+    else:
+        batch, step = first_batch(trainer, strategy)
+        example = None if batch is None else _small_example(batch)
+    error = None if example is None else _run(strategy, step, move_data_to_device(example, strategy.root_device))
     errors: list[Optional[str]] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     message = refusal(errors, step, strategy.tensor_parallel)
