@@ -276,3 +276,38 @@ def _skipping(rank, world):
 def test_returning_none_to_skip_a_step_stops_with_what_to_do_instead():
     with pytest.raises(AssertionError, match="cannot be skipped by returning early .* filter such batches"):
         run_distributed(_skipping, 2, timeout=30)
+
+
+class NamedSamples(torch.utils.data.Dataset):
+    """Dict samples with a name string: the default collate makes the names a list, one per sample."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        x, y = self.dataset[i]
+        return {"x": x, "y": y, "name": f"sample{i}"}
+
+
+class CountsByNames(GPT):
+    def training_step(self, batch, batch_idx):
+        logits = self(batch["x"])
+        summed = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["y"].flatten(), reduction="sum")
+        loss = summed / (len(batch["name"]) * batch["x"].shape[1])
+        self.log("train_loss", loss)
+        return loss
+
+
+@pytest.mark.timeout(90)
+def test_a_loss_counted_by_a_per_sample_list_of_names_matches_single_device(tmp_path):
+    # each micro-batch must get its own samples' names: the whole batch's list would make the loss 1/4
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    module, dataset = CountsByNames(n_layer=4, n_embd=32, n_head=2, block_size=16), NamedSamples(data(16))
+    reference = fit_and_record(module, dataset, 8, str(tmp_path / "ref"), max_steps=2)[0]
+    records = fit_and_record(module, dataset, 8, str(tmp_path / "pp"), devices=2, max_steps=2,
+                             strategy=pp_strategy(micro_batches=4), use_distributed_sampler=False)
+    assert_records_match(reference, records)
