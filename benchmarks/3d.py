@@ -29,8 +29,8 @@ from torch.utils.data import DataLoader
 
 from lightning_parallel import ParallelStrategy
 from lightning_parallel.data.text import TextDataModule
-from lightning_parallel.gradients import GradientFinalizer
 from lightning_parallel.models.gpt import GPT
+from lightning_parallel.strategy.gradients import GradientFinalizer
 
 LAYOUTS = [  # (dp, tp, pp)
     (8, 1, 1), (4, 2, 1), (4, 1, 2), (2, 2, 2), (2, 4, 1), (2, 1, 4), (1, 2, 4),

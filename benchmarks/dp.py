@@ -66,8 +66,8 @@ class StepTimer(L.Callback):
                 f.write(str(rate))
 
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from resnet import ResNet, image_data  # noqa: E402 - the test model, shared with tests/test_trainer_flags.py
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from tests.helpers.resnet import ResNet, image_data  # noqa: E402 - the test model, shared with tests/test_trainer_flags.py
 
 
 def text_loader(batch_size: int) -> DataLoader:

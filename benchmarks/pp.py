@@ -74,9 +74,14 @@ from torch import nn
 
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.models.gpt import GPT
+from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline import PipelineEngine
 from lightning_parallel.pipeline.placement import stages_of_rank
-from lightning_parallel.pipeline.schedules import SCHEDULES, defer_last_weight_pass, validate_schedule
+from lightning_parallel.pipeline.schedules import (
+    SCHEDULES,
+    defer_last_weight_pass,
+    validate_schedule,
+)
 from lightning_parallel.pipeline.simulator import Interval, simulate
 from lightning_parallel.pipeline.timeline import bubble_fraction, render
 
@@ -171,8 +176,9 @@ def build_ours(schedule: str, rank: int, args):
     mesh = ParallelMesh(args.stages, pipeline_parallel=args.stages).init_process_groups(rank)
     gpt = GPT(n_layer=args.layers)
     count = args.stages * chunks(schedule)
-    engine = PipelineEngine(gpt, mesh, args.micro_batches, schedule, chunks(schedule),
-                            layout=[args.layers // count] * count)
+    engine = PipelineEngine(gpt, mesh, ParallelOptions(micro_batches=args.micro_batches, schedule=schedule,
+                                                   virtual_stages=chunks(schedule),
+                                                   pipeline_layout=[args.layers // count] * count))
     engine.partition()
     opt = gpt.configure_optimizers()
 

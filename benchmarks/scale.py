@@ -46,11 +46,12 @@ from hydra.utils import instantiate
 from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_parallel import compat
+from lightning_parallel.cli.overrides import compose_config
+from lightning_parallel.cli.plan import build_plan
 from lightning_parallel.data_parallel.grad_sync import GradientSynchronizer
 from lightning_parallel.mesh import ParallelMesh
-from lightning_parallel.overrides import compose_config
+from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline import PipelineEngine
-from lightning_parallel.plan_cli import build_plan
 from lightning_parallel.tensor_parallel import parallelize
 
 GiB = 2**30
@@ -115,7 +116,7 @@ def rehearse(model_name: str, world: int, rank: int, cfg, estimate) -> RankSetup
             options = cfg.strategy
             sequence_parallel = options.get("sequence_parallel", False)
             parallelize(model, mesh, plan=options.get("tp_plan"), sequence_parallel=sequence_parallel)
-            engine = PipelineEngine(model, mesh, micro_batches=options.micro_batches, schedule=options.schedule)
+            engine = PipelineEngine(model, mesh, ParallelOptions(micro_batches=options.micro_batches, schedule=options.schedule))
             engine.partition()
             params = [p for p in model.parameters() if p.requires_grad]
             if mesh.dp_size > 1:

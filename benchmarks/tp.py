@@ -89,7 +89,11 @@ def interleave_qkv_rows(model: GPT, tp: int) -> None:
 
 def dtensor_parallelize(model: GPT, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     interleave_qkv_rows(model, world)
     mesh = init_device_mesh("cpu", (world,))

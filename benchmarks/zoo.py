@@ -60,7 +60,14 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from zoo_models import MAX_PARAMS, ZooLM, architectures, meta_parameter_count, tiny_config, token_batches  # noqa: E402
+from zoo_models import (  # noqa: E402
+    MAX_PARAMS,
+    ZooLM,
+    architectures,
+    meta_parameter_count,
+    tiny_config,
+    token_batches,
+)
 
 from lightning_parallel import PipelineParallelStrategy, TensorParallelStrategy  # noqa: E402
 from lightning_parallel.tensor_parallel import gather_full_tensor  # noqa: E402

@@ -32,8 +32,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_parallel.errors import LaunchError
 
-class MeshError(ValueError):
+
+class MeshError(LaunchError):
     """A layout that cannot be built from the world size."""
 
 

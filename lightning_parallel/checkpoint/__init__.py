@@ -6,10 +6,17 @@ script ``lp-consolidate``) turns a shard directory into the file a single-device
 written.
 """
 
-from lightning_parallel.checkpoint.atomic import CheckpointSaveError, IncompleteCheckpointError
+from lightning_parallel.checkpoint.atomic import (
+           CheckpointSaveError,
+           IncompleteCheckpointError,
+)
 from lightning_parallel.checkpoint.consolidate import consolidate
 from lightning_parallel.checkpoint.format import CheckpointMismatchError
-from lightning_parallel.checkpoint.io import is_sharded_checkpoint, load_sharded, save_sharded
+from lightning_parallel.checkpoint.io import (
+           is_sharded_checkpoint,
+           load_sharded,
+           save_sharded,
+)
 
 __all__ = ["CheckpointMismatchError", "CheckpointSaveError", "IncompleteCheckpointError", "consolidate",
            "is_sharded_checkpoint", "load_sharded", "save_sharded"]

@@ -35,16 +35,18 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_parallel.errors import CheckpointError
+
 STAGING = ".lp-staging"
 MARKER = "complete.json"
 PARTIAL, REPLACED, REMOVED = ".partial", ".replaced", ".removed"
 
 
-class CheckpointSaveError(RuntimeError):
+class CheckpointSaveError(CheckpointError, RuntimeError):
     """Some rank could not write its part of a checkpoint; the previous checkpoint is unchanged."""
 
 
-class IncompleteCheckpointError(FileNotFoundError):
+class IncompleteCheckpointError(CheckpointError, FileNotFoundError):
     """A checkpoint directory lacks pieces, or its save never confirmed them (no completion marker)."""
 
 

@@ -28,7 +28,12 @@ from lightning_parallel.checkpoint.format import (
     index_optimizer_state,
     unsplit_group_names,
 )
-from lightning_parallel.checkpoint.io import META_FILE, checkpoint_to_read, is_sharded_checkpoint, read_checkpoint
+from lightning_parallel.checkpoint.io import (
+    META_FILE,
+    checkpoint_to_read,
+    is_sharded_checkpoint,
+    read_checkpoint,
+)
 
 
 def consolidate(path: Path) -> dict[str, Any]:

@@ -17,13 +17,19 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_parallel.tensor_parallel.shard import TPShard, merge_shards, padded_size, slice_shard
+from lightning_parallel.errors import CheckpointError
+from lightning_parallel.tensor_parallel.shard import (
+    TPShard,
+    merge_shards,
+    padded_size,
+    slice_shard,
+)
 
 FORMAT_VERSION = 2  # 1: a ``pp*-tp*.pt`` file per piece; 2: DCP (``dcp.py``)
 Layout = tuple[tuple[int, ...], Optional[TPShard]]
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(CheckpointError, ValueError):
     """A checkpoint does not fit the model: a parameter is missing, unexpected, or of another shape."""
 
 

@@ -25,7 +25,12 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from lightning_parallel.checkpoint import dcp
-from lightning_parallel.checkpoint.atomic import MARKER, folder_to_read, save_pieces, write_file
+from lightning_parallel.checkpoint.atomic import (
+    MARKER,
+    folder_to_read,
+    save_pieces,
+    write_file,
+)
 from lightning_parallel.checkpoint.format import (
     FORMAT_VERSION,
     CheckpointMismatchError,

@@ -21,7 +21,12 @@ from typing import Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint import DefaultSavePlanner, LoadPlan, LoadPlanner, SavePlan
+from torch.distributed.checkpoint import (
+    DefaultSavePlanner,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+)
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -29,8 +34,16 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadItemType, ReadItem, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    ReadItem,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import (
+    create_read_items_for_chunk_list,
+)
 
 from lightning_parallel.checkpoint.chunks import Chunk, chunk_view
 

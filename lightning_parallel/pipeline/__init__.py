@@ -1,9 +1,17 @@
 """Pipeline parallelism for an unchanged LightningModule: schedules, partition, engine."""
 
 from lightning_parallel.pipeline.engine import PipelineEngine
-from lightning_parallel.pipeline.errors import PipelineConfigError, PipelineIncompatibleModel
+from lightning_parallel.pipeline.errors import (
+    PipelineConfigError,
+    PipelineIncompatibleModel,
+)
 from lightning_parallel.pipeline.partition import StagePlan, plan_stages
-from lightning_parallel.pipeline.schedules import SCHEDULES, Action, build_schedule, validate
+from lightning_parallel.pipeline.schedules import (
+    SCHEDULES,
+    Action,
+    build_schedule,
+    validate,
+)
 from lightning_parallel.pipeline.simulator import Simulation, simulate
 
 __all__ = [

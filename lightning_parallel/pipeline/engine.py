@@ -35,14 +35,18 @@ from torch import nn
 
 from lightning_parallel.compat import autograd_engine, tree_map
 from lightning_parallel.mesh import ParallelMesh
+from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline.backward_split import SplitUnsupported, backward_input
 from lightning_parallel.pipeline.broadcast import broadcast_object
 from lightning_parallel.pipeline.compare import close, floating_tensors
-from lightning_parallel.pipeline.errors import PipelineConfigError, PipelineIncompatibleModel
+from lightning_parallel.pipeline.errors import (
+    PipelineConfigError,
+    PipelineIncompatibleModel,
+)
 from lightning_parallel.pipeline.isolation import untouched
 from lightning_parallel.pipeline.logs import LogCapture, replay
-from lightning_parallel.pipeline.meta_trace import meta_batch, meta_device
 from lightning_parallel.pipeline.memory import ActivationMeter
+from lightning_parallel.pipeline.meta_trace import meta_batch, meta_device
 from lightning_parallel.pipeline.microbatch import (
     batch_size,
     merge_outputs,
@@ -50,10 +54,15 @@ from lightning_parallel.pipeline.microbatch import (
     split_batch,
     whole_batch_values,
 )
-from lightning_parallel.pipeline.order import RunOrder, trace_run_order, traced_conditions
+from lightning_parallel.pipeline.order import (
+    RunOrder,
+    trace_run_order,
+    traced_conditions,
+)
 from lightning_parallel.pipeline.p2p import StageLink
 from lightning_parallel.pipeline.partition import plan_stages, shared_parameters
 from lightning_parallel.pipeline.placement import placement_of
+from lightning_parallel.pipeline.randomness import StageRandomness
 from lightning_parallel.pipeline.schedules import (
     SCHEDULES,
     communication_runs,
@@ -64,9 +73,12 @@ from lightning_parallel.pipeline.schedules import (
     validate,
     validate_schedule,
 )
-from lightning_parallel.pipeline.randomness import StageRandomness
 from lightning_parallel.pipeline.simulator import Interval
-from lightning_parallel.pipeline.stage_modules import StageExit, StageRuntime, apply_stage_plan
+from lightning_parallel.pipeline.stage_modules import (
+    StageExit,
+    StageRuntime,
+    apply_stage_plan,
+)
 
 
 @dataclasses.dataclass
@@ -101,33 +113,23 @@ class PipelineEngine:
     Args:
         module: the LightningModule, identical on every rank until ``partition()``.
         mesh: the process mesh; its groups must exist before ``partition()``.
-        micro_batches: micro-batches per step (each batch is split along dim 0).
-        schedule: one of ``schedules.SCHEDULES``.
-        virtual_stages: model chunks per rank (interleaved_1f1b; 2 for zbv and dualpipev).
-        blocks: path of the block list (e.g. ``"model.layers"``); found automatically if None.
-        layout: blocks per stage (``pipeline_parallel x virtual_stages`` entries); balanced by
-            parameter count if None.
+        options: the layout's pipeline options: micro-batches per step (each batch is split along dim
+            0; default one per stage), schedule (one of ``schedules.SCHEDULES``), model chunks per rank,
+            the block list (found if None) and blocks per stage (balanced by parameter count if None).
     """
 
-    def __init__(
-        self,
-        module: nn.Module,
-        mesh: ParallelMesh,
-        micro_batches: int,
-        schedule: str = "1f1b",
-        virtual_stages: int = 1,
-        blocks: Optional[str] = None,
-        layout: Optional[list[int]] = None,
-    ):
+    def __init__(self, module: nn.Module, mesh: ParallelMesh, options: ParallelOptions):
+        schedule, micro_batches = options.schedule_name, options.micro_batches or mesh.pp_size
         if schedule not in SCHEDULES:
             raise PipelineConfigError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise PipelineConfigError(f"micro_batches must be a positive integer, got {micro_batches!r}")
         self.module, self.mesh = module, mesh
-        self.micro_batches, self.schedule_name, self.virtual_stages = micro_batches, schedule, virtual_stages
-        validate_schedule(schedule, mesh.pp_size, micro_batches, virtual_stages)
-        self.layout, self.placement = layout, placement_of(schedule)
-        self.plan = plan_stages(module, mesh.pp_size, virtual_stages, blocks, layout, placement=self.placement)
+        self.micro_batches, self.schedule_name, self.virtual_stages = micro_batches, schedule, options.chunks
+        validate_schedule(schedule, mesh.pp_size, micro_batches, self.virtual_stages)
+        self.layout, self.placement = options.pipeline_layout, placement_of(schedule)
+        self.plan = plan_stages(module, mesh.pp_size, self.virtual_stages, options.pipeline_blocks, self.layout,
+                                placement=self.placement)
         self.runtime = StageRuntime()
         self.capture = LogCapture(module)
         # torchmetrics a step updates before the model runs would count each sample on every stage; only

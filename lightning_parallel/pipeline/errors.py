@@ -1,11 +1,13 @@
 """Errors raised when a pipeline cannot be built or cannot serve a model."""
 
+from lightning_parallel.errors import ConfigurationError, IncompatibleModelError
 
-class PipelineConfigError(ValueError):
+
+class PipelineConfigError(ConfigurationError):
     """The requested pipeline (stages, micro-batches, schedule, layout) is not realisable."""
 
 
-class PipelineIncompatibleModel(ValueError):
+class PipelineIncompatibleModel(IncompatibleModelError):
     """The model's forward passes something other than one hidden state between its blocks."""
 
 

@@ -17,7 +17,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_parallel.pipeline.errors import PipelineConfigError, PipelineIncompatibleModel
+from lightning_parallel.pipeline.errors import (
+    PipelineConfigError,
+    PipelineIncompatibleModel,
+)
 from lightning_parallel.pipeline.order import RunOrder, outside_blocks
 from lightning_parallel.pipeline.placement import check as check_placement
 from lightning_parallel.pipeline.placement import rank_of_stage, stages_of_rank

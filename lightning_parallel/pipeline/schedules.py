@@ -30,7 +30,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 from lightning_parallel.pipeline.errors import PipelineConfigError
-from lightning_parallel.pipeline.placement import PLACEMENTS, placement_of, rank_of_stage, stages_of_rank
+from lightning_parallel.pipeline.placement import (
+    PLACEMENTS,
+    placement_of,
+    rank_of_stage,
+    stages_of_rank,
+)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev")
 COMPUTE = ("F", "B", "W")
@@ -164,7 +169,9 @@ def build_schedule(name: str, stages: int, micro_batches: int, rank: int, virtua
             "use schedule='interleaved_1f1b' (or 'zbv' for 2) or virtual_stages=1"
         )
     if name == "zb_h1":
-        from lightning_parallel.pipeline.zero_bubble import schedule_zb_h1  # it builds on this module
+        from lightning_parallel.pipeline.zero_bubble import (
+            schedule_zb_h1,  # it builds on this module
+        )
 
         return schedule_zb_h1(stages, micro_batches, rank)
     return (schedule_gpipe if name == "gpipe" else schedule_1f1b)(stages, micro_batches, rank)

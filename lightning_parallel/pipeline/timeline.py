@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_parallel.errors import ConfigurationError
+from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline.placement import chunks_per_rank
 from lightning_parallel.pipeline.schedules import SCHEDULES, all_ranks
 from lightning_parallel.pipeline.simulator import Interval, simulate
@@ -34,7 +36,7 @@ _LABELS = {"F": "forward", "B": "backward", "W": "weight-gradient pass"}
 DEFAULT_OUT = os.path.join(tempfile.gettempdir(), "pipeline_timeline.png")
 
 
-class TimelineError(ValueError):
+class TimelineError(ConfigurationError):
     """Nothing to draw; the message says why and what to run instead."""
 
 
@@ -103,7 +105,8 @@ def _record(rank: int, stages: int, micro_batches: int, schedule: str, virtual_s
     torch.manual_seed(0)
     model = GPT(n_layer=4 * virtual_stages)
     mesh = ParallelMesh(stages, pipeline_parallel=stages).init_process_groups(rank)
-    engine = PipelineEngine(model, mesh, micro_batches, schedule, virtual_stages)
+    engine = PipelineEngine(model, mesh, ParallelOptions(micro_batches=micro_batches, schedule=schedule,
+                                                     virtual_stages=virtual_stages))
     engine.partition()
     batch = (torch.randint(0, 256, (4 * micro_batches, 64)), torch.randint(0, 256, (4 * micro_batches, 64)))
     for step in range(3):  # the last step is recorded, after warm-up

@@ -17,34 +17,29 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
+from lightning_parallel.options import AUTO, ParallelOptions
 from lightning_parallel.planner.calibrate import nominal
-from lightning_parallel.planner.search import SearchResult, explain, format_table, search
+from lightning_parallel.planner.search import (
+    SearchResult,
+    explain,
+    format_table,
+    search,
+)
 from lightning_parallel.planner.space import Cluster, Constraints, Workload
 
-AUTO = "auto"
-# options whose "auto" asks for the search (data_parallel="auto" alone just takes the processes left)
-SEARCHED = ("tensor_parallel", "pipeline_parallel", "schedule", "virtual_stages", "zero_stage")
 
-
-def is_auto(options: Mapping[str, Any]) -> bool:
-    """Whether a strategy's options leave any of ``SEARCHED`` to the search."""
-    return any(options.get(name) == AUTO for name in SEARCHED)
-
-
-def constraints(options: Mapping[str, Any]) -> Constraints:
-    """What the strategy options fix: sizes given as numbers; ``"auto"`` or None leave them free."""
+def constraints(options: ParallelOptions) -> Constraints:
+    """What the options fix: sizes given as numbers; ``"auto"`` (``options.searched``) leaves them free."""
 
     def fixed(name: str):
-        value = options.get(name)
-        return None if value in (AUTO, None, -1) else value
+        return None if name in options.searched else getattr(options, name)
 
     zero = fixed("zero_stage")
-    virtual = options.get("virtual_stages")
+    dp = options.data_parallel
     return Constraints(
-        tp=fixed("tensor_parallel"), pp=fixed("pipeline_parallel"), dp=fixed("data_parallel"),
-        micro_batches=fixed("micro_batches"), schedule=fixed("schedule"),
-        virtual_stages=None if virtual in (AUTO, None) else int(virtual),
-        zero=None if zero is None else bool(int(zero)),
+        tp=fixed("tensor_parallel"), pp=fixed("pipeline_parallel"), dp=None if dp == AUTO else dp,
+        micro_batches=options.micro_batches, schedule=fixed("schedule"), virtual_stages=fixed("virtual_stages"),
+        zero=None if zero is None else bool(zero),
         recompute=(False,),  # the strategy does not add activation checkpointing to a model
     )
 
@@ -57,13 +52,11 @@ def device_memory(kind: str, processes_per_node: int, device: Optional[torch.dev
 
 
 def choose(model: nn.Module, nodes: int, devices_per_node: int, kind: str, replica_batch: int, seq: int,
-           precision: str, options: Mapping[str, Any], memory: Optional[float] = None) -> SearchResult:
+           precision: str, options: ParallelOptions, memory: Optional[float] = None) -> SearchResult:
     """The ranked layouts for a strategy whose ``options`` contain ``"auto"`` (raises ``PlanError``)."""
     cluster = Cluster(nodes, devices_per_node, memory or device_memory(kind, devices_per_node), nominal(kind),
                       shared_compute=kind != "cuda")
-    work = Workload(seq=seq, precision=precision, replica_batch=replica_batch, tp_plan=options.get("tp_plan"),
-                    sequence_parallel=bool(options.get("sequence_parallel", False)),
-                    pipeline_blocks=options.get("pipeline_blocks"))
+    work = Workload(seq=seq, precision=precision, replica_batch=replica_batch, options=options)
     return search(model, cluster, work, constraints(options))
 
 
@@ -95,19 +88,19 @@ def training_shape(trainer: Any, strategy: Any) -> Optional[tuple[int, int]]:
     return batch_shape(first_batch(trainer, strategy)[0])
 
 
-def choose_for(strategy: Any, options: Mapping[str, Any]) -> SearchResult:
+def choose_for(strategy: Any, options: ParallelOptions) -> SearchResult:
     """The search of a ``ParallelStrategy`` at setup, from its module, world and batch shape
     (``training_shape``); rank 0 logs the table and why."""
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
     from lightning_parallel.compat import attached_trainer
-    from lightning_parallel.slurm_checks import LaunchConfigError
+    from lightning_parallel.errors import LaunchError
 
     module = strategy.lightning_module
     trainer = attached_trainer(module) if module is not None else None
     shape = training_shape(trainer, strategy) if trainer is not None else None
     if shape is None:
-        raise LaunchConfigError(
+        raise LaunchError(
             "ParallelStrategy sizes given as 'auto' are chosen for the model and its batch shape, which this "
             "Trainer call does not show: pass a DataLoader, or a data module whose hyperparameters "
             "(save_hyperparameters) include batch_size (per replica) and block_size (tokens per sequence); "

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_parallel.estimate import TransformerDims, precision_bytes
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.pipeline.partition import StagePlan
 from lightning_parallel.pipeline.simulator import simulate
+from lightning_parallel.planner.estimate import TransformerDims, precision_bytes
 from lightning_parallel.planner.space import Candidate, Cluster, actions_of
 from lightning_parallel.tensor_parallel.resolve import is_conv1d
 

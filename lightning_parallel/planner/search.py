@@ -16,17 +16,26 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
-from lightning_parallel.estimate import TransformerDims, transformer_dims
-from lightning_parallel.pipeline.errors import PipelineConfigError, PipelineIncompatibleModel
+from lightning_parallel.errors import LaunchError
+from lightning_parallel.pipeline.errors import (
+    PipelineConfigError,
+    PipelineIncompatibleModel,
+)
 from lightning_parallel.pipeline.partition import find_blocks
 from lightning_parallel.planner.cost import Prediction, StageWork, predict, stage_work
-from lightning_parallel.planner.space import Candidate, Cluster, Constraints, Workload, enumerate_layouts
-from lightning_parallel.slurm_checks import LaunchConfigError
+from lightning_parallel.planner.estimate import TransformerDims, transformer_dims
+from lightning_parallel.planner.space import (
+    Candidate,
+    Cluster,
+    Constraints,
+    Workload,
+    enumerate_layouts,
+)
 
 GIB = 1024**3
 
 
-class PlanError(LaunchConfigError):
+class PlanError(LaunchError):
     """No layout can train the model on the cluster; the message says what would."""
 
 
@@ -79,7 +88,7 @@ def model_dims(model: nn.Module, pipeline_blocks: str | None = None) -> Transfor
 
 def search(model: nn.Module, cluster: Cluster, work: Workload, fixed: Constraints = Constraints()) -> SearchResult:
     """Every layout of ``cluster`` for ``model`` that fits device memory, ranked (see module docstring)."""
-    dims = model_dims(model, work.pipeline_blocks)
+    dims = model_dims(model, work.options.pipeline_blocks)
     candidates = enumerate_layouts(model, cluster, work, fixed)
     fits = [c for c in candidates if c.peak_bytes <= cluster.device_memory]
     too_big = [c for c in candidates if c.peak_bytes > cluster.device_memory]

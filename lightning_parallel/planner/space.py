@@ -17,14 +17,24 @@ from typing import Optional
 
 from torch import nn
 
-from lightning_parallel.estimate import RankMemory, estimate_memory, parameters_per_rank, tp_sharded_parameters
+from lightning_parallel.checks.model import check_model
+from lightning_parallel.errors import LaunchError
 from lightning_parallel.mesh import ParallelMesh
-from lightning_parallel.pipeline.errors import PipelineConfigError, PipelineIncompatibleModel
+from lightning_parallel.options import ParallelOptions
+from lightning_parallel.pipeline.errors import (
+    PipelineConfigError,
+    PipelineIncompatibleModel,
+)
 from lightning_parallel.pipeline.partition import StagePlan, find_blocks
 from lightning_parallel.pipeline.placement import placement_of
 from lightning_parallel.pipeline.schedules import SCHEDULES, Action, all_ranks, validate
 from lightning_parallel.pipeline.simulator import simulate
-from lightning_parallel.slurm_checks import LaunchConfigError, check_model
+from lightning_parallel.planner.estimate import (
+    RankMemory,
+    estimate_memory,
+    parameters_per_rank,
+    tp_sharded_parameters,
+)
 from lightning_parallel.tensor_parallel.resolve import divisors
 
 # model chunks per rank tried for every schedule: one (GPipe, 1F1B, ZB-H1) or two (interleaved, V-shaped)
@@ -126,9 +136,7 @@ class Workload:
     precision: str = "32-true"
     global_batch: Optional[int] = None
     replica_batch: Optional[int] = None
-    tp_plan: Optional[dict] = None
-    sequence_parallel: bool = False
-    pipeline_blocks: Optional[str] = None
+    options: ParallelOptions = ParallelOptions()  # the plan, sequence parallelism and block list the layouts use
 
     def batch_per_replica(self, dp: int) -> Optional[int]:
         if self.replica_batch is not None:
@@ -184,12 +192,12 @@ def enumerate_layouts(model: nn.Module, cluster: Cluster, work: Workload,
     """Every layout of ``cluster`` the model splits into, fitting device memory or not (sorted by
     nothing in particular: ``search`` ranks them). ``model`` may live on the meta device."""
     try:
-        blocks = len(find_blocks(model, work.pipeline_blocks)[1])
+        blocks = len(find_blocks(model, work.options.pipeline_blocks)[1])
     except (PipelineConfigError, PipelineIncompatibleModel):
         blocks = 1  # not pipelined
     world = cluster.world
-    splits: dict = {}  # (tp, pp, chunks) -> TP assignments and stages, or None
-    held: dict = {}  # (tp, pp, chunks) -> parameters per pipeline rank
+    splits: dict = {}  # (tp, pp, chunks, placement) -> TP assignments and stages, or None
+    held: dict = {}  # (tp, pp, chunks, placement) -> parameters per pipeline rank
     found: list[Candidate] = []
     for tp in divisors(cluster.devices_per_node):
         if world % tp or (fixed.tp is not None and tp != fixed.tp):
@@ -202,18 +210,19 @@ def enumerate_layouts(model: nn.Module, cluster: Cluster, work: Workload,
             if replica_batch is None:
                 continue
             for micro_batches, schedule, chunks in pipeline_options(pp, replica_batch, blocks, fixed):
-                where = (tp, pp, chunks, placement_of(schedule or "1f1b"))
+                where = (tp, pp, chunks, schedule or "1f1b")
                 split = _split(model, world, where, work, splits)
                 if split is None or split[1] is None:
                     continue
-                if where not in held:
+                placed = (tp, pp, chunks, placement_of(schedule or "1f1b"))
+                if placed not in held:
                     assignments, stages = split
-                    held[where] = parameters_per_rank(model, stages, tp_sharded_parameters(assignments), tp)
+                    held[placed] = parameters_per_rank(model, stages, tp_sharded_parameters(assignments), tp)
                 base = Layout(tp, pp, dp, micro_batches, schedule, chunks)
                 for zero in _choices(fixed.zero, dp):
                     for recompute in fixed.recompute:
                         layout = replace(base, zero=zero, recompute=recompute)
-                        found.append(_candidate(model, layout, replica_batch, split, held[where], work))
+                        found.append(_candidate(model, layout, replica_batch, split, held[placed], work))
     return found
 
 
@@ -224,17 +233,18 @@ def _choices(zero: Optional[bool], dp: int) -> tuple[bool, ...]:
 
 
 def _split(model: nn.Module, world: int, where: tuple[int, int, int, str], work: Workload, splits: dict):
-    """TP assignments and stages of ``model`` at ``(tp, pp, chunks per rank, stage placement)``, or None
-    where it does not split so."""
-    if where not in splits:
-        tp, pp, chunks, placement = where
-        mesh = ParallelMesh(world, tensor_parallel=tp, pipeline_parallel=pp)
+    """TP assignments and stages of ``model`` at ``(tp, pp, chunks per rank, schedule)``, or None where it
+    does not split so (cached by the stage placement the schedule implies)."""
+    tp, pp, chunks, schedule = where
+    key = (tp, pp, chunks, placement_of(schedule))
+    if key not in splits:
+        options = work.options.replace(tensor_parallel=tp, pipeline_parallel=pp, data_parallel="auto",
+                                       schedule=schedule, virtual_stages=chunks, pipeline_layout=None)
         try:
-            splits[where] = check_model(model, mesh, work.tp_plan, work.sequence_parallel, work.pipeline_blocks,
-                                        chunks, placement=placement)
-        except LaunchConfigError:
-            splits[where] = None
-    return splits[where]
+            splits[key] = check_model(model, ParallelMesh(world, tensor_parallel=tp, pipeline_parallel=pp), options)
+        except LaunchError:
+            splits[key] = None
+    return splits[key]
 
 
 @lru_cache(maxsize=4096)
@@ -251,7 +261,7 @@ def _candidate(model: nn.Module, layout: Layout, replica_batch: int, split, para
     memory = tuple(estimate_memory(
         model, stages, tp_sharded_parameters(assignments), layout.tp, work.seq,
         replica_batch // layout.micro_batches, layout.micro_batches, layout.schedule or "1f1b",
-        work.sequence_parallel, work.precision, zero_shards=layout.dp if layout.zero else 1,
+        work.options.sequence_parallel, work.precision, zero_shards=layout.dp if layout.zero else 1,
         recompute=layout.recompute, params=params,
         in_flight=peak_in_flight(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages),
     ))

@@ -16,10 +16,10 @@ from .comm import (
     scatter_to_region,
 )
 from .cross_entropy import vocab_parallel_cross_entropy
+from .detect import detect_plan
 from .grads import sync_sequence_parallel_grads
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .parallelize import parallelize
-from .detect import detect_plan
 from .plan import PlanEntry, TensorParallelError, parse_plan
 from .random import ShardedDropout, TPRandom
 from .shard import TPShard, gather_full_tensor, shard_tensor

@@ -17,15 +17,19 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .attention import FusedAttentionParts, ParallelMultiheadAttention, tp_causal_attention_forward
+from .attention import (
+    FusedAttentionParts,
+    ParallelMultiheadAttention,
+    tp_causal_attention_forward,
+)
 from .attributes import divide_attribute
 from .comm import SEQ_DIM, scatter_to_region
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .moe import parallelize_experts, parallelize_identity_expert
-from .shapes import find_fused_attention
 from .random import ShardedDropout, TPRandom, split_region_random
 from .replicated import reduce_partial_output, split_rope_grad_sum, sum_grads_over_tp
 from .resolve import Assignment, embed_scale, is_conv1d, linear_features, mla_rope_dim
+from .shapes import find_fused_attention
 from .shard import TPShard, slice_shard
 
 

@@ -25,7 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .comm import copy_to_region, gather_from_region, gather_from_sequence_region, reduce_from_region
+from .comm import (
+    copy_to_region,
+    gather_from_region,
+    gather_from_sequence_region,
+    reduce_from_region,
+)
 from .layers import RowParallelLinear
 from .random import TPRandom
 

@@ -54,6 +54,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional
 
+from lightning_parallel.errors import IncompatibleModelError
 
 STYLES = (
     "colwise",
@@ -121,7 +122,7 @@ _PAIRED_GATE_UP = {"layers.*.mlp.gate_up_proj": {"style": "colwise", "fused": 2}
 HF_PAIRED_LAYERS = {"phi3": _PAIRED_GATE_UP, "glm": _PAIRED_GATE_UP, "glm4": _PAIRED_GATE_UP}
 
 
-class TensorParallelError(ValueError):
+class TensorParallelError(IncompatibleModelError):
     """A model or plan that cannot be tensor-parallelised as asked; says what would work."""
 
 

@@ -19,7 +19,7 @@ gloo, two ranks: the peer waits the full timeout, then both ranks fail with diff
 errors, and a later agreement collective fails the same way). So the probe's forward runs with the
 collectives replaced by local stand-ins of the same shapes (``local_collectives``): every rank
 finishes its forward, failing or not, and then takes part in exactly one collective, an
-``all_gather_object`` of the error texts. Every rank raises the same ``LaunchConfigError`` from
+``all_gather_object`` of the error texts. Every rank raises the same ``LaunchError`` from
 the gathered texts, naming the exception, the innermost module running when it was raised, the
 sharded layers inside that module, and what to change. Values computed with stand-ins are partial
 sums, which is fine: that probe looks for errors, not for results.
@@ -51,13 +51,13 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
+from lightning_parallel.errors import LaunchError
 from lightning_parallel.pipeline.compare import close, floating_tensors
 from lightning_parallel.pipeline.errors import PipelineConfigError
 from lightning_parallel.pipeline.example import first_batch
 from lightning_parallel.pipeline.isolation import untouched
 from lightning_parallel.pipeline.logs import LogCapture
 from lightning_parallel.pipeline.microbatch import batch_size, split_batch
-from lightning_parallel.slurm_checks import LaunchConfigError
 from lightning_parallel.tensor_parallel import comm
 
 _PROBED_STEPS = (TrainerFn.FITTING, TrainerFn.VALIDATING, TrainerFn.TESTING)
@@ -348,8 +348,8 @@ def refuse_wrong_split(strategy: Any, reference: Optional[tuple[list, str, Any]]
     dist.all_gather_object(every, found)
     if any(f is not None for f in every):
         first = next(f for f in every if f is not None)
-        raise LaunchConfigError(
-            f"with tensor_parallel={strategy.tensor_parallel}, {step} computes other values once the model's layers "
+        raise LaunchError(
+            f"with tensor_parallel={strategy.options.tp}, {step} computes other values once the model's layers "
             f"are split over the TP ranks: on the first batch, in eval mode, {first}. Found at setup by comparing "
             "with the whole model on the same samples; unchecked, it would train silently wrong. Likely a forward "
             "that reduces over a sharded dimension without a collective: a norm, softmax or mean over an MLP's "
@@ -361,7 +361,7 @@ def refuse_wrong_split(strategy: Any, reference: Optional[tuple[list, str, Any]]
 
 def refuse_failing_split(strategy: Any, trainer: Any, reference: Optional[tuple[list, str, Any]] = None) -> None:
     """Probe the split model with the step the Trainer is about to run; raise the same
-    ``LaunchConfigError`` on every rank if it fails on any. All ranks must call it (one collective).
+    ``LaunchError`` on every rank if it fails on any. All ranks must call it (one collective).
     ``reference`` (``unsplit_values``) brings the example read before the split, so the loader is not
     read again.
 
@@ -380,6 +380,6 @@ def refuse_failing_split(strategy: Any, trainer: Any, reference: Optional[tuple[
     error = None if example is None else _run(strategy, step, move_data_to_device(example, strategy.root_device))
     errors: list[Optional[str]] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
-    message = refusal(errors, step, strategy.tensor_parallel)
+    message = refusal(errors, step, strategy.options.tp)
     if message is not None:
-        raise LaunchConfigError(message)
+        raise LaunchError(message)

@@ -17,10 +17,10 @@ from lightning_parallel.compat import packed_in_projection
 
 from .attributes import read_attribute
 from .lora import route_lora
-from .names import block_glob, did_you_mean, glob_matches
 from .moe import check_experts
-from .replicated import modules_in_split_region
+from .names import block_glob, did_you_mean, glob_matches
 from .plan import Plan, PlanEntry, TensorParallelError
+from .replicated import modules_in_split_region
 from .shapes import FusedAttention, computes_linear, find_fused_attention
 
 

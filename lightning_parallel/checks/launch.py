@@ -1,0 +1,149 @@
+"""Launch checks that catch a bad layout before a job waits in the queue or starts a collective.
+
+Three kinds of mistakes, each refused with the lines that would fix it:
+
+1. the SLURM allocation (``--nodes``, ``--ntasks-per-node``) differs from the Trainer's
+   ``num_nodes`` x ``devices``, or uses ``-n`` alone (Lightning needs ``--ntasks-per-node``);
+2. the layout's ``data x tensor x pipeline`` product is not the number of processes, or a tensor
+   parallel group would span two nodes (TP groups are runs of consecutive ranks, see mesh.py, and
+   need the fast intra-node links: Narayanan et al. 2021, arXiv 2104.04473 §3.3);
+3. the model cannot be split as asked: heads, hidden or vocabulary not divisible by the TP size,
+   a plan that names no module or an unknown style, or fewer blocks than pipeline stages;
+4. the model trains in a way the pipeline cannot run: manual optimisation, or a loss scaler
+   (precision ``16-mixed``).
+
+Pure apart from reading the environment: every rank raises the same error before any collective.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from torch import nn
+
+from lightning_parallel.checks.model import check_model, check_training_mode
+from lightning_parallel.errors import LaunchError
+from lightning_parallel.mesh import MeshError, ParallelMesh
+from lightning_parallel.options import ParallelOptions
+from lightning_parallel.tensor_parallel.resolve import divisors
+
+# Lightning treats a job with one of these names as an interactive shell, not a SLURM launch.
+_INTERACTIVE_JOB_NAMES = ("bash", "interactive")
+
+
+def _allocation_lines(nodes: int, tasks_per_node: int) -> str:
+    return (
+        f"    #SBATCH --nodes={nodes}\n"
+        f"    #SBATCH --ntasks-per-node={tasks_per_node}\n"
+        f"    trainer.num_nodes={nodes} trainer.devices={tasks_per_node}"
+    )
+
+
+def slurm_allocation(env: Mapping[str, str] = os.environ) -> tuple[int, int] | None:
+    """``(nodes, tasks per node)`` of the SLURM job this process runs in; None outside SLURM.
+
+    Raises ``LaunchError`` for allocations Lightning cannot use.
+    """
+    if "SLURM_JOB_ID" not in env or "SLURM_NNODES" not in env:
+        return None
+    name = env.get("SLURM_JOB_NAME", "")
+    if name in _INTERACTIVE_JOB_NAMES:
+        raise LaunchError(
+            f"the job name {name!r} makes Lightning treat this job as an interactive shell and ignore SLURM; "
+            "name the job:\n    #SBATCH --job-name=lp-train"
+        )
+    nodes = int(env["SLURM_NNODES"])
+    if "SLURM_NTASKS_PER_NODE" not in env:
+        tasks = int(env.get("SLURM_NTASKS", nodes))
+        raise LaunchError(
+            f"the job sets --ntasks={tasks} without --ntasks-per-node, which Lightning rejects; allocate "
+            f"one task per device per node instead:\n{_allocation_lines(nodes, max(1, tasks // nodes))}"
+        )
+    return nodes, int(env["SLURM_NTASKS_PER_NODE"])
+
+
+def check_allocation(num_nodes: int, devices_per_node: int, env: Mapping[str, str] = os.environ) -> None:
+    """Refuse a SLURM allocation that differs from the Trainer's ``num_nodes`` x ``devices``."""
+    allocation = slurm_allocation(env)
+    if allocation is None or allocation == (num_nodes, devices_per_node):
+        return
+    nodes, tasks = allocation
+    raise LaunchError(
+        f"SLURM allocated {nodes} node(s) x {tasks} task(s) per node, but the Trainer asks for "
+        f"num_nodes={num_nodes} x devices={devices_per_node}. Either submit with\n"
+        f"{_allocation_lines(num_nodes, devices_per_node)}\n"
+        f"or train on what was allocated:\n    trainer.num_nodes={nodes} trainer.devices={tasks}"
+    )
+
+
+def _layouts(world: int, devices_per_node: int) -> list[str]:
+    """Layouts that fill ``world`` processes with TP groups inside a node."""
+    return [
+        f"tp={t} pp={p} dp={world // (t * p)}"
+        for t in divisors(devices_per_node)
+        if world % t == 0
+        for p in divisors(world // t)
+    ]
+
+
+def check_layout(options: ParallelOptions, num_nodes: int, devices_per_node: int) -> ParallelMesh:
+    """The mesh of ``options``' sizes on ``num_nodes`` x ``devices_per_node`` processes; refuses a
+    product that does not match or a TP group that would span nodes."""
+    tp, pp, dp = options.tp, options.pp, options.data_parallel
+    world = num_nodes * devices_per_node
+    try:
+        mesh = ParallelMesh(world, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp)
+    except MeshError:
+        fixed_dp = isinstance(dp, int) and dp > 0
+        wanted = tp * pp * (dp if fixed_dp else 1)
+        lines = [
+            f"the layout tensor_parallel={tp} x pipeline_parallel={pp} x data_parallel={dp} "
+            + (f"needs {wanted} processes" if fixed_dp else f"needs a multiple of {tp * pp} processes")
+            + f", but the allocation has {num_nodes} node(s) x {devices_per_node} = {world}."
+        ]
+        if fixed_dp and wanted % devices_per_node == 0:
+            lines.append(f"Allocate for the layout:\n{_allocation_lines(wanted // devices_per_node, devices_per_node)}")
+        elif fixed_dp and wanted < devices_per_node:
+            lines.append(f"Allocate for the layout:\n{_allocation_lines(1, wanted)}")
+        if world % (tp * pp) == 0:
+            lines.append(f"Or keep the allocation and let data parallelism take the rest:\n    strategy.data_parallel={world // (tp * pp)}")
+        lines.append(f"Layouts that fit {world} processes with TP inside a node: {', '.join(_layouts(world, devices_per_node)[:10])}")
+        raise LaunchError("\n".join(lines)) from None
+    if devices_per_node % tp:
+        fitting = [t for t in divisors(devices_per_node) if world % (t * pp) == 0]
+        best = max(t for t in fitting if t <= tp)
+        raise LaunchError(
+            f"tensor_parallel={tp} does not divide the {devices_per_node} devices per node, so a tensor "
+            f"parallel group would span two nodes (every layer all-reduces within it). Use a TP size that "
+            f"divides {devices_per_node} ({', '.join(map(str, fitting))}), e.g.\n"
+            f"    strategy.tensor_parallel={best} strategy.data_parallel={world // (best * pp)}"
+        )
+    return mesh
+
+
+def validate_launch(
+    options: ParallelOptions,
+    num_nodes: int,
+    devices_per_node: int,
+    model: nn.Module | None = None,
+    *,
+    automatic_optimization: bool = True,
+    loss_scaler: bool = False,
+) -> ParallelMesh:
+    """All launch checks, for a strategy to call in ``setup_environment`` before any collective.
+
+    Args:
+        options: the layout and its options (sizes already resolved from "auto").
+        num_nodes, devices_per_node: the Trainer's ``num_nodes`` and ``devices``.
+        model: when given, also check that it splits into the TP and PP sizes with ``options``, and
+            that it trains in a way the pipeline runs (``automatic_optimization``, no ``loss_scaler``).
+
+    Returns the mesh (sizes only; no process groups). Raises ``LaunchError``.
+    """
+    check_allocation(num_nodes, devices_per_node)
+    mesh = check_layout(options, num_nodes, devices_per_node)
+    if model is not None:
+        check_training_mode(model, mesh.pp_size, automatic_optimization, loss_scaler)
+        check_model(model, mesh, options)
+    return mesh

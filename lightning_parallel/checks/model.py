@@ -1,0 +1,102 @@
+"""Model checks: can the model be split as asked (TP divisibility, a plan that names modules, enough
+pipeline blocks), and does it train in a way the pipeline can run. Pure; work on a meta-device model."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import nn
+
+from lightning_parallel.errors import LaunchError
+from lightning_parallel.mesh import ParallelMesh
+from lightning_parallel.options import ParallelOptions
+from lightning_parallel.pipeline.errors import (
+    PipelineConfigError,
+    PipelineIncompatibleModel,
+)
+from lightning_parallel.pipeline.partition import StagePlan, find_blocks, plan_stages
+from lightning_parallel.pipeline.placement import placement_of
+from lightning_parallel.tensor_parallel.detect import detect_plan
+from lightning_parallel.tensor_parallel.plan import TensorParallelError, parse_plan
+from lightning_parallel.tensor_parallel.resolve import (
+    Assignment,
+    divisors,
+    resolve_plan,
+)
+
+
+def check_model(model: nn.Module, mesh: ParallelMesh,
+                options: ParallelOptions) -> tuple[list[Assignment], StagePlan | None]:
+    """The TP assignments and pipeline stages of ``model`` on ``mesh`` with ``options`` (its TP plan,
+    sequence parallelism, pipeline blocks and layout, stages placed as its schedule runs them, see
+    ``pipeline.placement``); refuses sizes the model does not divide, naming the sizes that would
+    work. Works on a model built on the meta device."""
+    tp_plan, sequence_parallel, pipeline_blocks = options.tp_plan, options.sequence_parallel, options.pipeline_blocks
+    virtual_stages, pipeline_layout = options.chunks, options.pipeline_layout
+    assignments: list[Assignment] = []
+    if mesh.tp_size > 1:
+        try:
+            assignments = _tp_assignments(model, mesh.tp_size, tp_plan, sequence_parallel)
+        except TensorParallelError as err:
+            fits = [
+                t for t in divisors(mesh.world_size)
+                if t < mesh.tp_size and _tp_fits(model, t, tp_plan, sequence_parallel)
+            ]
+            # a plan that fits no size (a glob that names no module, an unknown style) has its own fix
+            hint = (f"\nTP sizes this model and world allow: {fits}, e.g.\n"
+                    f"    strategy.tensor_parallel={max(fits)} strategy.data_parallel=auto") if fits else ""
+            raise LaunchError(f"{err}{hint}") from None
+    try:
+        blocks = len(find_blocks(model, pipeline_blocks)[1])
+    except (PipelineIncompatibleModel, PipelineConfigError) as err:
+        if mesh.pp_size == 1:
+            return assignments, None
+        raise LaunchError(f"{err}; or train without pipelining:\n    strategy.pipeline_parallel=1") from None
+    try:
+        stages = plan_stages(model, mesh.pp_size, virtual_stages, pipeline_blocks, pipeline_layout,
+                             placement=placement_of(options.schedule_name))
+    except PipelineConfigError as err:
+        if pipeline_layout is not None:  # the message already gives a layout that works
+            raise LaunchError(str(err)) from None
+        fits = [p for p in divisors(mesh.world_size // mesh.tp_size) if p * virtual_stages <= blocks]
+        hint = (f". Pipeline sizes that fit the model and the world: {fits}, e.g.\n"
+                f"    strategy.pipeline_parallel={max(fits)} strategy.data_parallel=auto") if fits else (
+                "; or train without pipelining:\n    strategy.pipeline_parallel=1")
+        raise LaunchError(f"{err}{hint}") from None
+    return assignments, stages
+
+
+def _tp_assignments(model: nn.Module, tp: int, tp_plan: Mapping | None, sequence_parallel: bool) -> list[Assignment]:
+    plan = parse_plan(tp_plan) if tp_plan is not None else detect_plan(model, sequence_parallel)
+    return resolve_plan(model, plan, tp, sequence_parallel)
+
+
+def _tp_fits(model: nn.Module, tp: int, tp_plan: Mapping | None, sequence_parallel: bool) -> bool:
+    try:
+        _tp_assignments(model, tp, tp_plan, sequence_parallel)
+    except TensorParallelError:
+        return False
+    return True
+
+
+def check_training_mode(model: nn.Module, pipeline_parallel: int, automatic_optimization: bool,
+                        loss_scaler: bool) -> None:
+    """Refuse what the pipeline cannot run: it calls forward and backward of every micro-batch
+    itself, inside ``training_step``, and scales no loss."""
+    if pipeline_parallel == 1:
+        return
+    name = type(model).__name__
+    if not automatic_optimization:
+        raise LaunchError(
+            f"{name} sets automatic_optimization = False, which pipeline_parallel={pipeline_parallel} does not "
+            "support: the pipeline runs forward and backward of every micro-batch itself, inside training_step, "
+            "so manual_backward and optimizer.step() calls there have no gradients to act on. Return the loss "
+            "from training_step and let Lightning optimise (automatic_optimization = True), or train without "
+            "pipelining (data and tensor parallelism support manual optimisation):\n"
+            "    strategy.pipeline_parallel=1"
+        )
+    if loss_scaler:
+        raise LaunchError(
+            f"{name}: precision '16-mixed' needs a loss scaler, which pipeline_parallel={pipeline_parallel} does "
+            "not apply; train in bfloat16 or float32:\n    trainer.precision=bf16-mixed"
+        )

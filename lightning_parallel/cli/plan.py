@@ -1,0 +1,409 @@
+"""`lp-plan` and `lp-train dry_run=true`: print the parallel plan of a config, train nothing.
+
+    lp-plan +recipe=gpt_1p3b_3d                       # the same overrides lp-train takes
+    lp-plan +recipe=gpt_1p3b_3d strategy.tensor_parallel=8
+    lp-plan --search +recipe=llama_7b_3d --nodes 4 --devices-per-node 8 --device-memory 80 \
+            --tflops 400 --intra-bandwidth 200 --inter-bandwidth 25 --global-batch 64
+
+The report shows the mesh (the global ranks of every TP, PP and DP group, and the node of each
+rank), the blocks of every pipeline stage, and the memory per device from `estimate.py`. It
+refuses, with the corrected `#SBATCH` lines and overrides, a layout that does not fit the
+allocation, a TP group that spans nodes, or sizes the model does not divide (`checks/`).
+Inside a SLURM job it checks the real allocation too, so the sbatch script runs it before `srun`.
+The model is built on the meta device: a 7B plan takes a second and no memory.
+
+``--search`` ranks every layout of the cluster instead (``planner/``): TP, PP, DP, micro-batches,
+schedule, ZeRO-1 and activation checkpointing, memory per device, predicted step time, bubble and
+bytes moved, and why the first wins. Rates not given as flags are measured on this machine in a
+few seconds (``planner/calibrate.py``). A config with ``strategy=auto`` is planned as the strategy
+will plan it at setup.
+
+Every fix printed is verified first: the config with the suggested overrides is composed again
+and passes the same checks (`verified_fixes`). `lp-train` runs `check_launch` in the launching
+process, so the mistakes found here stop a run before any rank starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from torch import nn
+
+from lightning_parallel.checks.launch import check_allocation, check_layout
+from lightning_parallel.checks.model import check_model
+from lightning_parallel.cli.config_checks import check_config, parallel_options
+from lightning_parallel.cli.overrides import compose_config
+from lightning_parallel.errors import ConfigurationError, LaunchError
+from lightning_parallel.mesh import ParallelMesh
+from lightning_parallel.options import ParallelOptions
+from lightning_parallel.pipeline.partition import StagePlan
+from lightning_parallel.planner import (
+    Cluster,
+    Constraints,
+    PlanError,
+    SearchResult,
+    Workload,
+    search,
+)
+from lightning_parallel.planner.auto import choose, device_memory, report
+from lightning_parallel.planner.calibrate import measure, nominal
+from lightning_parallel.planner.estimate import (
+    RankMemory,
+    count_parameters,
+    estimate_memory,
+    tp_sharded_parameters,
+)
+from lightning_parallel.planner.space import Rates
+from lightning_parallel.tensor_parallel.resolve import divisors
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything the dry run reports about one config."""
+
+    model_name: str
+    parameters: int
+    num_nodes: int
+    devices_per_node: int
+    precision: str
+    mesh: ParallelMesh
+    stages: StagePlan | None
+    memory: list[RankMemory]
+    micro_batches: int
+    micro_batch_size: int | None
+    tokens_per_step: int | None
+    # "module glob: style" -> number of modules it shards
+    tp_plan: dict[str, int] = field(default_factory=dict)
+    # strategy=auto: the ranked layouts the strategy will choose from
+    search: SearchResult | None = None
+
+
+def build_plan(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> LaunchPlan:
+    """Check the launch described by a composed `lp-train` config and estimate its memory.
+
+    Raises ``ConfigurationError`` (config_checks) or ``LaunchError`` (checks).
+
+    ``env`` is the environment the SLURM allocation is read from (none outside a job).
+    """
+    check_config(cfg)
+    options = parallel_options(cfg)
+    num_nodes, devices = int(cfg.trainer.num_nodes), int(cfg.trainer.devices)
+    check_allocation(num_nodes, devices, env)
+    model, searched = None, None
+    if options.is_auto:  # the layout the strategy will choose at setup
+        model = _meta_model(cfg)
+        searched = _auto_search(cfg, model, options, num_nodes, devices)
+        options = options.resolved(searched.best.candidate.layout.options())
+    mesh = check_layout(options, num_nodes, devices)
+    if model is None:
+        model = _meta_model(cfg)
+    schedule = options.schedule_name
+    assignments, stages = check_model(model, mesh, options)
+    micro_batches = options.micro_batches or mesh.pp_size
+    # a data module of the user's own may have neither; then only the layout is checked
+    batch, seq = cfg.data.get("batch_size"), cfg.data.get("block_size")
+    if batch is not None and int(batch) % micro_batches:
+        batch = int(batch)
+        raise LaunchError(
+            f"data.batch_size={batch} (per replica) is not divisible by micro_batches={micro_batches}; "
+            f"use a batch size that is a multiple of it, e.g.\n    data.batch_size={batch - batch % micro_batches or micro_batches}"
+        )
+    memory = []
+    if stages is not None and batch is not None and seq is not None:
+        memory = estimate_memory(
+            model, stages, tp_sharded_parameters(assignments), mesh.tp_size, int(seq), int(batch) // micro_batches,
+            micro_batches, schedule, options.sequence_parallel,
+            cfg.trainer.precision,
+        )
+    accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1))
+    known = batch is not None and seq is not None
+    return LaunchPlan(
+        model_name=type(model).__name__,
+        parameters=count_parameters(model),
+        num_nodes=num_nodes,
+        devices_per_node=devices,
+        precision=str(cfg.trainer.precision),
+        mesh=mesh,
+        stages=stages,
+        memory=memory,
+        micro_batches=micro_batches,
+        micro_batch_size=int(batch) // micro_batches if batch is not None else None,
+        tokens_per_step=int(batch) * int(seq) * mesh.dp_size * accumulate if known else None,
+        tp_plan=dict(Counter(f"{a.glob}: {a.entry.style}" for a in assignments if a.entry.style)),
+        search=searched,
+    )
+
+
+def _meta_model(cfg: DictConfig) -> nn.Module:
+    with torch.device("meta"):
+        return instantiate(cfg.model)
+
+
+def device_kind(accelerator) -> str:
+    """``"cuda"`` or ``"cpu"`` for a Trainer ``accelerator`` value."""
+    if str(accelerator) in ("gpu", "cuda"):
+        return "cuda"
+    return "cuda" if str(accelerator) == "auto" and torch.cuda.is_available() else "cpu"
+
+
+def _auto_search(cfg: DictConfig, model: nn.Module, options: ParallelOptions, nodes: int,
+                 devices: int) -> SearchResult:
+    batch, seq = cfg.data.get("batch_size"), cfg.data.get("block_size")
+    if batch is None or seq is None:
+        raise ConfigurationError(
+            "strategy=auto sizes the layout from the batch: the data config needs batch_size (per replica) and "
+            "block_size (tokens per sequence), e.g.\n    +data.batch_size=8 +data.block_size=512"
+        )
+    return choose(model, nodes, devices, device_kind(cfg.trainer.accelerator), int(batch), int(seq),
+                  str(cfg.trainer.precision), options)
+
+
+def _closest_first(values: list[int], target: int) -> list[int]:
+    return sorted(values, key=lambda v: (abs(math.log(v / target)), -v))
+
+
+def _candidate_fixes(cfg: DictConfig) -> list[tuple[str, list[str]]]:
+    """(what it changes, overrides) pairs to try, the nearest to what was asked first."""
+    options = parallel_options(cfg)
+    nodes, devices = int(cfg.trainer.num_nodes), int(cfg.trainer.devices)
+    world = nodes * devices
+    tp, pp = options.tp, options.pp
+    strategy = cfg.get("strategy") if isinstance(cfg.get("strategy"), DictConfig) else {}
+
+    def key(name: str, value) -> str:
+        return f"{'' if name in strategy else '+'}strategy.{name}={value}"
+
+    dp = options.data_parallel
+    fixes = []
+    for t in _closest_first(divisors(devices), tp):  # keep the allocation, change the layout
+        for p in _closest_first(divisors(world // t), pp):
+            overrides = [key(name, v) for name, v, now in (("tensor_parallel", t, tp), ("pipeline_parallel", p, pp))
+                         if v != now]
+            if "data_parallel" in strategy and (overrides or str(dp) != str(world // (t * p))):
+                overrides.append(key("data_parallel", world // (t * p)))  # first: only the DP size changes
+            if overrides:
+                fixes.append((f"keep {nodes} node(s) x {devices} devices", overrides))
+    wanted = tp * pp * (int(dp) if str(dp).isdigit() else max(1, world // (tp * pp)))
+    per_node = [d for d in divisors(wanted) if d % tp == 0]  # keep the layout, change the allocation
+    for d in _closest_first(per_node, devices) if per_node else []:
+        fixes.append((f"keep tp={tp} pp={pp}", [f"trainer.num_nodes={wanted // d}", f"trainer.devices={d}"]))
+    return fixes
+
+
+def verified_fixes(overrides: list[str], cfg: DictConfig, limit: int = 3) -> list[tuple[str, list[str]]]:
+    """Fixes for a launch that fails, each one composed with ``overrides`` and passing ``build_plan``."""
+    found, kinds = [], Counter()
+    for kind, fix in _candidate_fixes(cfg):
+        if kinds[kind] >= limit:
+            continue
+        try:
+            build_plan(compose_config(overrides + fix), env={})
+        except (LaunchError, ValueError, HydraException):
+            continue
+        found.append((kind, fix))
+        kinds[kind] += 1
+    return found
+
+
+def format_fixes(fixes: list[tuple[str, list[str]]]) -> str:
+    lines = []
+    for kind, fix in fixes:
+        nodes = next((f.split("=")[1] for f in fix if f.startswith("trainer.num_nodes=")), None)
+        devices = next((f.split("=")[1] for f in fix if f.startswith("trainer.devices=")), None)
+        sbatch = f"   (sbatch --nodes={nodes} --ntasks-per-node={devices})" if nodes else ""
+        lines.append(f"    {' '.join(fix)}{sbatch}   # {kind}")
+    return "\n".join(lines)
+
+
+def constraint(err: LaunchError) -> str:
+    """The violated constraint of a launch error, without the fixes it proposes."""
+    first = str(err).split("\n")[0]
+    return re.split(r"(?<=\.) (?:Use|Either|Or|Allocate)\b", first)[0].rstrip(":, ")
+
+
+def explain_failure(err: LaunchError, overrides: list[str], cfg: DictConfig) -> str:
+    """The error, with only fixes that pass every check; the error's own advice when none is found
+    (a fix outside the layout: a file path, a batch size, a schedule name)."""
+    fixes = [] if parallel_options(cfg).is_auto else verified_fixes(overrides, cfg)
+    if not fixes:
+        return str(err)
+    return f"{constraint(err)}\nLaunches that pass every check:\n{format_fixes(fixes)}"
+
+
+def _blocks(blocks: tuple[int, ...]) -> str:
+    return f"{blocks[0]}-{blocks[-1]}" if len(blocks) > 1 else str(blocks[0])
+
+
+def format_plan(plan: LaunchPlan) -> str:
+    lines = [] if plan.search is None else ["strategy=auto ranks these layouts (planner/auto.py):", report(plan.search)]
+    lines += [
+        f"model: {plan.model_name}, {plan.parameters / 1e6:,.1f}M parameters",
+        f"launch: {plan.num_nodes} node(s) x {plan.devices_per_node} devices, precision {plan.precision}",
+        plan.mesh.describe(plan.devices_per_node),
+    ]
+    if plan.tokens_per_step is not None:
+        batch = (f"batch: {plan.micro_batches} micro-batch(es) of {plan.micro_batch_size} sequences per replica, "
+                 f"{plan.tokens_per_step:,} tokens per optimizer step")
+        lines.insert(len(lines) - 1, batch)  # before the mesh
+    if plan.tp_plan:
+        lines.append("tp plan: " + ", ".join(f"{k} (x{n})" for k, n in plan.tp_plan.items()))
+    if plan.stages is not None:
+        s = plan.stages
+        lines.append(f"stages: blocks of {s.blocks_path} (first also {', '.join(s.pre) or '-'}; last also {', '.join(s.post) or '-'})")
+        for stage, blocks in enumerate(s.stage_blocks):
+            lines.append(f"  stage {stage} (pp rank {s.rank_of_stage(stage)}): blocks {_blocks(tuple(blocks))}")
+    if plan.memory:
+        peak = max(plan.memory, key=lambda m: m.total_bytes)
+        unit, size = ("GiB", 1024**3) if peak.total_bytes >= 1024**3 else ("MiB", 1024**2)
+        lines.append(f"memory per device, {unit} (estimate: see lightning_parallel/estimate.py):")
+        lines.append("  pp rank  params(M)   params    grads  optimizer  activations(in flight)   total")
+        for m in plan.memory:
+            lines.append(
+                f"  {m.stage:>7}  {m.params / 1e6:>9.1f}  {m.param_bytes / size:>7.2f}  {m.grad_bytes / size:>7.2f}"
+                f"  {m.optimizer_bytes / size:>9.2f}  {m.activation_bytes / size:>11.2f} ({m.in_flight:>2})"
+                f"          {m.total_bytes / size:>6.2f}"
+            )
+        lines.append(f"peak per device: {peak.total_bytes / size:.2f} {unit} (pp rank {peak.stage})")
+    return "\n".join(lines)
+
+
+def dry_run(cfg: DictConfig) -> LaunchPlan:
+    """Print the plan of `cfg` (what `lp-train dry_run=true` does); raises LaunchError."""
+    plan = check_launch(cfg)
+    print(format_plan(plan))
+    return plan
+
+
+def check_launch(cfg: DictConfig) -> LaunchPlan:
+    """`build_plan` for `lp-train`, whose errors carry only verified fixes."""
+    try:
+        return build_plan(cfg)
+    except LaunchError as err:
+        if not HydraConfig.initialized():
+            raise
+        overrides = list(HydraConfig.get().overrides.task)
+        raise LaunchError(explain_failure(err, overrides, cfg)) from None
+
+
+# ---- lp-plan --search -------------------------------------------------------------------------
+def _search_flags() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lp-plan", allow_abbrev=False,
+        description="Print the plan of an lp-train config; with --search, rank every layout of a cluster. "
+                    "Other arguments are lp-train's Hydra overrides.")
+    parser.add_argument("--search", action="store_true", help="rank layouts instead of checking the config's")
+    add = parser.add_argument_group("cluster (default: the config's trainer.num_nodes and trainer.devices; "
+                                    "rates not given are measured here)").add_argument
+    add("--nodes", type=int, help="nodes")
+    add("--devices-per-node", type=int, help="devices (processes) per node")
+    add("--device-memory", type=float, help="GiB per device (default: the GPU's, or host memory / devices)")
+    add("--tflops", type=float, help="sustained matmul TFLOP/s per device")
+    add("--intra-bandwidth", type=float, help="all-reduce bus bandwidth inside a node, GB/s")
+    add("--inter-bandwidth", type=float, help="all-reduce bus bandwidth across nodes, GB/s")
+    add("--latency-us", type=float, help="microseconds per message")
+    add("--optimizer-rate", type=float, help="millions of parameters per second an AdamW step updates")
+    parser.add_argument("--global-batch", type=int,
+                        help="sequences per optimizer step, split over the replicas (default: data.batch_size per "
+                             "replica, as strategy=auto reads it)")
+    parser.add_argument("--top", type=int, default=5, help="layouts shown")
+    return parser
+
+
+def _rates(flags: argparse.Namespace, kind: str, devices: int, hidden: int) -> tuple[Rates, str]:
+    """The rates from the flags, the missing ones measured here (or nominal where no device is)."""
+    given = {"flops": flags.tflops and flags.tflops * 1e12,
+             "intra_bandwidth": flags.intra_bandwidth and flags.intra_bandwidth * 1e9,
+             "inter_bandwidth": flags.inter_bandwidth and flags.inter_bandwidth * 1e9,
+             "latency": flags.latency_us and flags.latency_us * 1e-6,
+             "optimizer": flags.optimizer_rate and flags.optimizer_rate * 1e6}
+    missing = [k for k, v in given.items() if v is None]
+    local = devices if kind == "cpu" else min(devices, torch.cuda.device_count())
+    if not missing:
+        return Rates(**given), "given"
+    if local == 0 or missing == ["inter_bandwidth"]:
+        source, base = f"nominal for {kind}", nominal(kind)
+    else:
+        source, base = f"measured with {local} local {kind} process(es)", measure(local, hidden, kind)
+    rates = Rates(**{k: getattr(base, k) if v is None else v for k, v in given.items()})
+    return rates, f"{', '.join(missing)} {source}; the rest given"
+
+
+def search_layouts(flags: argparse.Namespace, overrides: list[str]) -> SearchResult:
+    """``lp-plan --search``: print the best layouts of the cluster for the config's model and batch."""
+    cfg = compose_config(overrides)
+    check_config(cfg)
+    options = parallel_options(cfg)
+    nodes = flags.nodes or int(cfg.trainer.num_nodes)
+    devices = flags.devices_per_node or int(cfg.trainer.devices)
+    kind = device_kind(cfg.trainer.accelerator)
+    model = _meta_model(cfg)
+    seq, batch = cfg.data.get("block_size"), cfg.data.get("batch_size")
+    if seq is None or (batch is None and flags.global_batch is None):
+        raise ConfigurationError("lp-plan --search needs the sequence length (data.block_size) and a batch (data.batch_size "
+                          "per replica, or --global-batch), e.g.\n    --global-batch 256 +data.block_size=2048")
+    from lightning_parallel.planner.search import model_dims
+
+    rates, source = _rates(flags, kind, devices, model_dims(model, options.pipeline_blocks).hidden)
+    memory = flags.device_memory * 1024**3 if flags.device_memory else device_memory(kind, devices)
+    cluster = Cluster(nodes, devices, memory, rates, shared_compute=kind == "cpu")
+    work = Workload(int(seq), str(cfg.trainer.precision), global_batch=flags.global_batch,
+                    replica_batch=None if flags.global_batch else int(batch), options=options)
+    result = search(model, cluster, work, Constraints())
+    batch_line = (f"global batch {flags.global_batch}" if flags.global_batch else f"batch {batch} per replica")
+    print(f"model: {type(model).__name__}, {count_parameters(model) / 1e6:,.1f}M parameters, {batch_line} x {seq} "
+          f"tokens, precision {cfg.trainer.precision}")
+    print(f"cluster: {nodes} node(s) x {devices} {kind} devices of {memory / 1024**3:.1f} GiB; "
+          f"{rates.flops / 1e12:.3g} TFLOP/s, {rates.intra_bandwidth / 1e9:.3g} GB/s in a node, "
+          f"{rates.inter_bandwidth / 1e9:.3g} GB/s across, {rates.latency * 1e6:.0f} us per message, "
+          f"AdamW {rates.optimizer:.3g} parameters/s ({source})")
+    print(f"{len(result.ranked)} layouts fit, {len(result.too_big)} do not; best {min(flags.top, len(result.ranked))}:")
+    print(report(result, flags.top))
+    best = result.best.candidate.layout
+    print("train with it:\n    lp-train strategy=auto " + " ".join(best.overrides()))
+    if best.recompute:
+        print("    and turn on activation checkpointing of every block in the model "
+              "(e.g. gradient_checkpointing_enable())")
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _search_flags()
+    flags, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    cluster_flags = [k for k, v in vars(flags).items() if v is not None and k not in ("search", "top")]
+    if cluster_flags and not flags.search:
+        parser.error(f"--{cluster_flags[0].replace('_', '-')} describes the cluster to search: add --search")
+    if flags.search:
+        try:
+            search_layouts(flags, overrides)
+        except (ConfigurationError, PlanError) as err:
+            print(f"lp-plan --search: {err}", file=sys.stderr)
+            sys.exit(1)
+        return
+    cfg = compose_config(overrides)
+    try:
+        dry_run(cfg)
+    except PlanError as err:
+        print(f"lp-plan: strategy=auto finds no layout:\n{err}", file=sys.stderr)
+        sys.exit(1)
+    except ConfigurationError as err:
+        print(f"lp-plan: this launch would fail:\n{err}", file=sys.stderr)
+        sys.exit(1)
+    except LaunchError as err:
+        print(f"lp-plan: this launch would fail:\n{explain_failure(err, overrides, cfg)}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

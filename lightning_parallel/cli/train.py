@@ -1,0 +1,125 @@
+"""`lp-train`: the Hydra entry point that trains a LightningModule under any strategy.
+
+    lp-train                                           # defaults: GPT, stdlib bytes, strategy=dp, 2 CPU processes
+    lp-train strategy=tp strategy.tensor_parallel=2
+    lp-train strategy=pp trainer.devices=4 strategy.micro_batches=8
+    lp-train strategy=single                           # the one-process reference
+    lp-train model=custom model._target_=my_pkg.MyModule data=custom data._target_=my_pkg.MyData
+    lp-train dry_run=true strategy=3d trainer.devices=8  # print the plan, train nothing
+    lp-train ckpt_path=outputs/<date>/<time>/checkpoints/last.ckpt   # resume, data position included
+    python -m lightning_parallel.cli.train --cfg job       # print the composed config
+
+Model, data, strategy and trainer are each built from their config group's `_target_`, so any
+LightningModule or LightningDataModule trains with no change to this file (`model=custom` and
+`data=custom` are empty groups for your own classes; their constructor arguments go in with `+`,
+e.g. `+model.hidden=64`). With the popen launcher Lightning re-runs this same command for ranks
+1..N-1, adding `hydra.run.dir=<this run's folder>`, so every rank reads the same config and writes
+into the same folder.
+
+Before Lightning is even imported, the launching process checks everything the config alone
+decides (plan_cli.check_launch: sizes, layout, the model's divisibility on the meta device,
+pipeline options, paths), so a bad launch fails in seconds with the fix, before any rank starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import hydra
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from lightning_parallel.cli.overrides import suggest_for_unknown_keys
+from lightning_parallel.errors import ConfigurationError, LaunchError
+
+log = logging.getLogger("lightning_parallel")
+
+
+def _build_model(cfg: DictConfig, trainer):
+    """The model, initialised the same way on every layout (one device included).
+
+    Our strategies create it on the meta device and give each rank its part (init.py); every
+    other strategy gets it built on the meta device too and materialised whole, from the same
+    per-module seeds, so that `strategy=single` is the reference the parallel runs start from.
+    """
+    import torch
+
+    from lightning_parallel.strategy import ParallelStrategy
+    from lightning_parallel.strategy.materialize import (
+        UnsplitModel,
+        empty_parameters,
+        materialize,
+    )
+
+    if isinstance(trainer.strategy, ParallelStrategy):
+        with trainer.init_module(empty_init=True):
+            return instantiate(cfg.model, _convert_="all")
+    with trainer.init_module(empty_init=False), empty_parameters():
+        model = instantiate(cfg.model, _convert_="all")
+    try:
+        materialize(model, UnsplitModel.of(model), 0, 1, trainer.strategy.root_device, torch.initial_seed())
+    except ValueError as err:  # a parameter no init function sets: build it as its constructor does
+        log.warning("%s; building %s as its constructor does instead", err, type(model).__name__)
+        with trainer.init_module(empty_init=False):
+            model = instantiate(cfg.model, _convert_="all")
+    return model
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Fit `cfg.model` on `cfg.data` with `cfg.trainer`; return the final logged metrics."""
+    if cfg.dry_run:
+        from lightning_parallel.cli.plan import dry_run
+
+        dry_run(cfg)
+        return {}
+    from lightning_parallel.cli.config_checks import check_config
+
+    check_config(cfg)  # seconds before torch and Lightning are imported
+    from lightning_parallel.cli.plan import check_launch
+
+    plan = check_launch(cfg)
+
+    from lightning_parallel.cli.quiet import quiet_known_warnings, quiet_resume_warning
+
+    quiet_known_warnings()
+    import lightning as L
+
+    if logging.getLogger().handlers:  # Hydra's console and train.log handlers; Lightning's own would repeat each line
+        logging.getLogger("lightning").handlers.clear()
+    from lightning_parallel.cli.run_summary import RunSummary
+
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    # plain Python arguments, so the hyperparameters saved in checkpoints load with weights_only
+    datamodule = instantiate(cfg.data, _convert_="all")
+    quiet_resume_warning(datamodule)
+    callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [RunSummary(plan)]
+    trainer = instantiate(cfg.trainer, callbacks=callbacks)
+    model = _build_model(cfg, trainer)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+@hydra.main(config_path="pkg://lightning_parallel.conf", config_name="train", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> None:
+    try:
+        train(cfg)
+    except (ConfigurationError, LaunchError) as err:
+        print(f"lp-train: this launch would fail:\n{err}", file=sys.stderr)
+        sys.exit(1)
+
+
+def main() -> None:
+    # as `python -m` would: a module of your own in the folder you run from is found by _target_
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    hint = suggest_for_unknown_keys(sys.argv[1:])
+    if hint:
+        print(f"lp-train: {hint}", file=sys.stderr)
+        sys.exit(2)
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

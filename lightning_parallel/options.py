@@ -1,0 +1,157 @@
+"""``ParallelOptions``: the layout and every parallelism option of a strategy, in one frozen object.
+
+Built once, from the strategy's arguments (``ParallelStrategy(tensor_parallel=2, ...)``) or from a
+Hydra ``strategy`` config (``ParallelOptions.from_mapping``), validated here, and passed whole to
+the launch checks, the pipeline engine, the planner and the checkpoint code. A size given as
+``"auto"`` is left to the planner (``planner/auto.py``), which returns a copy with the sizes filled
+in (``resolved``); until then it reads as its default where a number is needed (``tp``, ``pp``).
+The Lightning plumbing (accelerator, devices, cluster environment, launcher, timeout) stays with
+the strategy: it says how processes start, not how the model is split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from lightning_parallel.errors import ConfigurationError
+
+AUTO = "auto"
+# options whose "auto" asks for the planner's search (data_parallel="auto" alone takes the processes left)
+SEARCHED = ("tensor_parallel", "pipeline_parallel", "schedule", "virtual_stages", "zero_stage")
+ZERO_STAGES = (0, 1)
+
+
+def _size(name: str, value: Any, allow_none: bool = False) -> Union[int, str, None]:
+    if value is None and allow_none:
+        return None
+    if value == AUTO:
+        return AUTO
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, str) and value.isdigit():
+            return _size(name, int(value))
+        expected = "a positive integer, 'auto'" + (" or None" if allow_none else "")
+        raise ConfigurationError(f"{name} must be {expected}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """How the model is split over the processes, and how each parallelism runs."""
+
+    tensor_parallel: Union[int, str] = 1
+    """Ranks that shard each layer, Megatron style (keep a TP group inside a node). ``"auto"``: the
+    planner chooses at setup."""
+
+    pipeline_parallel: Union[int, str] = 1
+    """Pipeline stages. ``"auto"``: the planner chooses."""
+
+    data_parallel: Union[int, str] = AUTO
+    """Model replicas; ``"auto"`` takes the processes left over after TP and PP."""
+
+    micro_batches: Optional[int] = None
+    """Micro-batches per training batch under pipeline parallelism; None: one per stage."""
+
+    schedule: str = "1f1b"
+    """Pipeline schedule: ``1f1b``, ``gpipe``, ``interleaved_1f1b``, or the zero-bubble ``zb_h1``, ``zbv``,
+    ``dualpipev``; ``"auto"``: the planner chooses."""
+
+    virtual_stages: Union[int, str] = 1
+    """Model chunks per rank for ``interleaved_1f1b``; the V-shaped ``zbv`` and ``dualpipev`` hold 2."""
+
+    sequence_parallel: bool = False
+    """Shard norm and dropout regions along the sequence under TP (Korthikanti et al. 2022)."""
+
+    tp_plan: Optional[Mapping[str, Any]] = None
+    """Module-name glob -> style (``colwise``, ``rowwise``, ``vocab``, or a dict with ``style`` and options
+    such as ``fused: 3``); None: carried by a Hugging Face model, or detected."""
+
+    pipeline_blocks: Optional[str] = None
+    """Dotted path of the repeated block list the pipeline splits; None: found."""
+
+    pipeline_layout: Optional[tuple[int, ...]] = None
+    """Blocks per stage, e.g. ``(3, 5)``; None: balanced by parameter count."""
+
+    bucket_size_mb: float = 25.0
+    """Data-parallel all-reduce bucket size, MiB of gradients."""
+
+    zero_stage: Union[int, str] = 0
+    """``1`` shards optimizer state over the data-parallel replicas (ZeRO-1); ``0`` keeps a whole
+    optimizer on every replica; ``"auto"``: the planner chooses."""
+
+    searched: tuple[str, ...] = field(default=(), init=False, compare=False)
+    """The options given as ``"auto"`` that the planner has not resolved yet (derived; not an argument)."""
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "tensor_parallel", _size("tensor_parallel", self.tensor_parallel))
+        set_(self, "pipeline_parallel", _size("pipeline_parallel", self.pipeline_parallel))
+        set_(self, "data_parallel", AUTO if self.data_parallel in (None, -1) else _size("data_parallel",
+                                                                                      self.data_parallel))
+        set_(self, "virtual_stages", _size("virtual_stages", self.virtual_stages))
+        if self.micro_batches is not None:
+            set_(self, "micro_batches", _size("micro_batches", self.micro_batches))
+            if self.micro_batches == AUTO:
+                set_(self, "micro_batches", None)
+        if self.zero_stage not in (*ZERO_STAGES, AUTO):
+            raise ConfigurationError(
+                f"zero_stage must be 0 (off), 1 (shard optimizer state) or 'auto', got {self.zero_stage!r}")
+        if self.tp_plan is not None:
+            set_(self, "tp_plan", dict(self.tp_plan))
+        if self.pipeline_layout is not None:
+            set_(self, "pipeline_layout", tuple(int(n) for n in self.pipeline_layout))
+        set_(self, "searched", tuple(name for name in SEARCHED if getattr(self, name) == AUTO))
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "ParallelOptions":
+        """The options among ``values`` (a strategy's keyword arguments or Hydra config; other keys such
+        as ``_target_`` or ``start_method`` are the strategy's own and ignored here)."""
+        names = {f.name for f in dataclasses.fields(cls) if f.init and f.name != "searched"}
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+    # ---- the sizes as numbers -----------------------------------------------------------------
+    @property
+    def is_auto(self) -> bool:
+        """Whether some option waits for the planner's search."""
+        return bool(self.searched)
+
+    @property
+    def tp(self) -> int:
+        return 1 if self.tensor_parallel == AUTO else int(self.tensor_parallel)
+
+    @property
+    def pp(self) -> int:
+        return 1 if self.pipeline_parallel == AUTO else int(self.pipeline_parallel)
+
+    @property
+    def zero(self) -> int:
+        return 0 if self.zero_stage == AUTO else int(self.zero_stage)
+
+    @property
+    def schedule_name(self) -> str:
+        return "1f1b" if self.schedule == AUTO else self.schedule
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per rank the schedule runs (``pipeline.placement.chunks_per_rank``)."""
+        from lightning_parallel.pipeline.placement import chunks_per_rank
+
+        return chunks_per_rank(self.schedule_name, 1 if self.virtual_stages == AUTO else int(self.virtual_stages))
+
+    @property
+    def is_model_split(self) -> bool:
+        return self.tp > 1 or self.pp > 1
+
+    @property
+    def mesh_sizes(self) -> dict[str, Union[int, str]]:
+        return {"tensor_parallel": self.tp, "pipeline_parallel": self.pp, "data_parallel": self.data_parallel}
+
+    def replace(self, **changes: Any) -> "ParallelOptions":
+        """A copy with ``changes`` (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def resolved(self, chosen: Mapping[str, Any]) -> "ParallelOptions":
+        """The options with the planner's choice (``planner.space.Layout.options()``) filled in."""
+        return self.replace(**chosen)

@@ -1,0 +1,583 @@
+"""``ParallelStrategy``: data, tensor and pipeline parallelism for an unchanged LightningModule.
+
+The strategy owns the process mesh and composes the three parts in a fixed order at setup:
+
+1. every rank receives rank 0's initial parameters, so all replicas, shards and stages start from
+   the single-device initialisation (in host memory: only what a rank keeps after step 3 moves to
+   its accelerator, ``init.py``);
+2. tensor parallelism shards the modules named by a plan (``tensor_parallel/``);
+3. pipeline parallelism keeps only this rank's stage (``pipeline/``);
+4. the optimizers are created from what is left, and data parallelism hooks the local parameters
+   (``data_parallel/``).
+
+After each backward window, gradients are finalised in Megatron-LM's order (``gradients.py``).
+Clipping by norm then uses the norm of the whole model (``clipping.py``). A module is split once:
+later ``validate``/``test``/``predict``/``fit`` calls on the same Trainer reuse the split (launched
+by popen or torchrun), or receive the trained full weights in the parent process (fork, spawn:
+``launcher.py``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Generator, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.plugins import TorchSyncBatchNorm
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy as _LightningParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+
+from lightning_parallel.checkpoint import load_sharded, save_sharded
+from lightning_parallel.checkpoint.atomic import remove_checkpoint_dir, save_file
+from lightning_parallel.checks.launch import validate_launch
+from lightning_parallel.compat import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _optimizers_to_device,
+    _SubprocessScriptLauncher,
+    _sync_ddp_if_available,
+    _sync_module_states,
+    attached_trainer,
+    module_hidden_from_teardown,
+    set_skip_backward,
+)
+from lightning_parallel.data_parallel import GradientSynchronizer
+from lightning_parallel.data_parallel.zero import ZeroOneSharding
+from lightning_parallel.errors import LaunchError
+from lightning_parallel.mesh import ParallelMesh
+from lightning_parallel.options import ParallelOptions
+from lightning_parallel.pipeline import PipelineEngine
+from lightning_parallel.pipeline.example import first_batch
+from lightning_parallel.planner import SearchResult
+from lightning_parallel.planner.auto import choose_for
+from lightning_parallel.strategy.clipping import clip_grads_by_global_norm
+from lightning_parallel.strategy.gradients import (
+    GradientFinalizer,
+    shared_across_stages,
+)
+from lightning_parallel.strategy.launcher import MultiProcessingLauncher
+from lightning_parallel.strategy.materialize import (
+    UnsplitModel,
+    broadcast_on_host,
+    empty_parameters,
+    has_meta_parameters,
+    materialize,
+    on_host,
+)
+from lightning_parallel.strategy.metric_sync import sync_metrics_per_replica
+from lightning_parallel.strategy.requeue import DeferredRequeue
+from lightning_parallel.strategy.summary import count_parameters, report_whole_model
+from lightning_parallel.tensor_parallel import parallelize
+from lightning_parallel.tensor_parallel.probe import (
+    refuse_failing_split,
+    refuse_wrong_split,
+    unsplit_values,
+)
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+
+class ParallelStrategy(_LightningParallelStrategy):
+    """Data x tensor x pipeline parallelism on one process mesh.
+
+    Args:
+        data_parallel, tensor_parallel, pipeline_parallel, micro_batches, schedule, virtual_stages,
+        sequence_parallel, tp_plan, pipeline_blocks, pipeline_layout, bucket_size_mb, zero_stage:
+            the layout and its options, each documented on ``ParallelOptions`` (``options.py``).
+            A size given as ``"auto"`` (tensor_parallel, pipeline_parallel, schedule,
+            virtual_stages, zero_stage): at setup, every rank takes the planner's best layout for
+            the model, the world and the batch shape, searching each such argument (and
+            ``micro_batches`` when None) and keeping the others (``planner/auto.py``).
+        start_method: ``"popen"`` (run the script once per rank, as torchrun does), ``"spawn"``,
+            ``"fork"`` or ``"forkserver"``, as in Lightning's ``DDPStrategy``.
+        timeout: timeout of collective operations.
+    """
+
+    strategy_name = "lp_3d"
+
+    def __init__(
+        self,
+        data_parallel: Union[int, str] = "auto",
+        tensor_parallel: Union[int, str] = 1,
+        pipeline_parallel: Union[int, str] = 1,
+        micro_batches: Optional[int] = None,
+        schedule: str = "1f1b",
+        virtual_stages: Union[int, str] = 1,
+        sequence_parallel: bool = False,
+        tp_plan: Optional[dict] = None,
+        pipeline_blocks: Optional[str] = None,
+        pipeline_layout: Optional[list[int]] = None,
+        bucket_size_mb: float = 25.0,
+        zero_stage: Union[int, str] = 0,
+        start_method: StartMethod = "popen",
+        timeout: Union[timedelta, float] = timedelta(minutes=30),
+        process_group_backend: Optional[str] = None,
+        accelerator: Any = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}")
+        self.options = ParallelOptions(
+            tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, data_parallel=data_parallel,
+            micro_batches=micro_batches, schedule=schedule, virtual_stages=virtual_stages,
+            sequence_parallel=sequence_parallel, tp_plan=tp_plan, pipeline_blocks=pipeline_blocks,
+            pipeline_layout=pipeline_layout, bucket_size_mb=bucket_size_mb, zero_stage=zero_stage,
+        )
+        self.layout_search: Optional[SearchResult] = None  # the ranked layouts "auto" chose from (once, at setup)
+        self._start_method = start_method
+        self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+        self._process_group_backend = process_group_backend
+        self._num_nodes = 1
+        self.mesh: Optional[ParallelMesh] = None
+        self.grad_sync: Optional[GradientSynchronizer] = None
+        self.pipeline = None  # pipeline.PipelineEngine when pipeline_parallel > 1
+        self.zero: Optional[ZeroOneSharding] = None
+        self._sync_blocked = False
+        self._requeue = DeferredRequeue(None)
+        self._unsplit_counts: dict[str, tuple[int, int]] = {}  # parameters per module before the split
+        self._tp_reference: Optional[tuple] = None  # the whole model's values on the probe's example (probe.py)
+        self._split_module: Optional[weakref.ref] = None  # the module split by _split, kept across Trainer calls
+        self.finalize_gradients: Optional[GradientFinalizer] = None
+
+    # ---- what Lightning asks of a parallel strategy ---------------------------------------------
+    @property
+    def is_distributed(self) -> bool:
+        # read by Lightning to inject the DistributedSampler and to honour self.log(sync_dist=True)
+        return True
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The ``(pp, dp, tp)`` DeviceMesh whose dimension groups this strategy communicates on, for
+        DTensors or FSDP2 on the same groups (available once the processes are set up)."""
+        if self.mesh is None:
+            raise RuntimeError("the device mesh exists once the strategy has set up its processes (Trainer.fit)")
+        return self.mesh.device_mesh
+
+    @property
+    def is_model_split(self) -> bool:
+        return self.options.is_model_split
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # all TP shards and pipeline stages of one replica read the same batch
+        mesh = self._planned_mesh()
+        return {"num_replicas": mesh.dp_size, "rank": mesh.coords(self.global_rank).dp}
+
+    def _resolve_sizes(self) -> None:
+        """Presets fill in the size they spread over all processes (see ``presets.py``); sizes given
+        as "auto" take the planner's best layout, chosen the same on every rank before any collective."""
+        if self.options.is_auto:
+            # a data module building the first batch's loader may ask for the mesh meanwhile: it reads the
+            # defaults (any DP size gives the batch shape the search reads: a loader's batch_size is per replica)
+            searched, self.options = self.options, self.options.replace(
+                **{name: ParallelOptions.__dataclass_fields__[name].default for name in self.options.searched})
+            self.layout_search = choose_for(self, searched)
+            self.options = searched.resolved(self.layout_search.best.candidate.layout.options())
+
+    def _planned_mesh(self) -> ParallelMesh:
+        if self.mesh is not None:
+            return self.mesh
+        self._resolve_sizes()
+        return ParallelMesh(self.num_nodes * self.num_processes, **self.options.mesh_sizes)
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            if not self.cluster_environment.creates_processes_externally:
+                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    # ---- process groups ----------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        # every rank checks the allocation, the layout and the model before any collective, so a
+        # bad launch fails with the same message everywhere instead of hanging
+        self._resolve_sizes()
+        module = self.lightning_module
+        mesh = validate_launch(
+            self.options, self.num_nodes, self.num_processes,
+            model=module if self.is_model_split and not self._has_split(module) else None,
+            automatic_optimization=module is None or module.automatic_optimization,
+            loss_scaler=getattr(self.precision_plugin, "scaler", None) is not None,
+        )
+        trainer = attached_trainer(module) if module is not None else None
+        if trainer is not None and self.is_model_split:
+            self._refuse_split_model_flags(trainer)
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        if self.mesh is None:  # a later Trainer call in the same process keeps the groups
+            self.mesh = mesh.init_process_groups(self.global_rank, self.root_device.type)
+        self._requeue = DeferredRequeue(self.cluster_environment)
+
+    def _refuse_split_model_flags(self, trainer: Any) -> None:
+        """Trainer features that would silently do something else on a split model (TP or PP)."""
+        split = f"tensor_parallel={self.options.tp}, pipeline_parallel={self.options.pp}"
+        if any(isinstance(callback, StochasticWeightAveraging) for callback in trainer.callbacks):
+            raise LaunchError(
+                f"Trainer(callbacks=[StochasticWeightAveraging(...)]) is not supported with {split}: it averages "
+                "a copy of the whole model taken before the split, and it switches Lightning's backward off and on "
+                "again, which the pipeline relies on. Remove the callback, or average weights with "
+                "DataParallelStrategy (data parallelism only)."
+            )
+        if type(self.checkpoint_io) is not TorchCheckpointIO:
+            raise LaunchError(
+                f"Trainer(plugins=[{type(self.checkpoint_io).__name__}(...)]) is not supported with {split}: a split "
+                "model writes its checkpoint as a Distributed Checkpoint directory, one file per rank, without a "
+                "CheckpointIO plugin. Remove the plugin (checkpoints are written synchronously), or use it with "
+                "DataParallelStrategy."
+            )
+
+    # ---- model set-up --------------------------------------------------------------------------
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None and self.mesh is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        self.precision_plugin.convert_module(self.model)
+        if self._has_split(module):  # a later fit/validate/test/predict in this process: split once
+            self.model_to_device()
+            if self.pipeline is not None:
+                self.pipeline.link.device = self.root_device
+        else:
+            self._unsplit_counts = count_parameters(module)
+            self._split(module)
+        if self.is_model_split:  # Lightning's summary would count rank 0's shard of its stage
+            report_whole_model(trainer.callbacks, self._unsplit_counts)
+        sync_metrics_per_replica(module, self.mesh)  # TP ranks' identical metric states count once
+        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
+            self.model = self._apply_layer_sync(self.model)
+        if trainer.state.fn == TrainerFn.FITTING:
+            if self.mesh.dp_size > 1:
+                self.grad_sync = GradientSynchronizer(
+                    list(module.parameters()), self.mesh.dp_group, self.options.bucket_size_mb, shard=self.options.zero == 1,
+                    deferred=shared_across_stages(module, self.pipeline) if self.pipeline is not None else (),
+                )
+            if self.pipeline is not None:
+                # the pipeline runs forward and backward itself, inside training_step
+                set_skip_backward(trainer, True)
+            self.setup_optimizers(trainer)
+            if self.grad_sync is not None and self.options.zero == 1:
+                self.zero = ZeroOneSharding(self.grad_sync, self.optimizers)
+            sequence_parallel = self.options.sequence_parallel and self.options.tp > 1
+            self.finalize_gradients = GradientFinalizer(module, self.pipeline, self.grad_sync, self.zero,
+                                                        self.mesh if sequence_parallel else None)
+        self.setup_precision_plugin()
+        if self.is_model_split or self.zero is not None:
+            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        if self.options.tp > 1 and self.pipeline is None:  # the pipeline probes its own stages
+            refuse_failing_split(self, trainer, self._tp_reference)
+            refuse_wrong_split(self, self._tp_reference)
+            self._tp_reference = None
+
+    def _apply_layer_sync(self, model: Any) -> Any:
+        """``Trainer(sync_batchnorm=True)``: BatchNorm statistics over the data-parallel replicas only.
+
+        The TP shards and pipeline stages of one replica read the same samples, so the statistics of a
+        batch are those of the replicas' batches together (``mesh.dp_group``), not of the world.
+        Torch's ``SyncBatchNorm`` normalises CUDA (or XPU, HPU) tensors only.
+        """
+        if isinstance(self._layer_sync, TorchSyncBatchNorm):
+            return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=self.mesh.dp_group)
+        return self._layer_sync.apply(model)
+
+    def _split(self, module: Any) -> None:
+        """Steps 1-3 of the module docstring on a module this strategy has not split before."""
+        self.pipeline = None
+        on_meta = has_meta_parameters(module)
+        if on_meta:  # nothing to broadcast yet: every rank derives the same values from one seed
+            unsplit = UnsplitModel.of(module)
+            seed = self.broadcast(torch.initial_seed())
+        elif on_host(module):  # split in host memory: only this rank's stage and shards reach the device
+            broadcast_on_host(module)  # rank 0's initial values everywhere (init.py)
+        else:  # built on the device already (trainer.init_module() without empty_init)
+            self.model_to_device()
+            _sync_module_states(module)
+        if self.options.tp > 1:
+            if self.options.pp == 1 and not on_meta:  # what the split must reproduce (probe.py)
+                self._tp_reference = unsplit_values(self, attached_trainer(module), module)
+            parallelize(module, self.mesh, plan=self.options.tp_plan, sequence_parallel=self.options.sequence_parallel)
+        if self.options.pp > 1:
+            if self.options.tp > 1 and not on_meta:
+                # the trace runs the TP collectives, which NCCL runs on device tensors only: this rank's
+                # TP shard of every stage moves now, the other stages are dropped on the device below
+                self.model_to_device()
+            self.pipeline = PipelineEngine(module, self.mesh, self.options)
+            # the first batch shows the order modules run in (on the meta device for a meta-device model)
+            trainer = attached_trainer(module)
+            example, step = first_batch(trainer, self) if trainer is not None else (None, "training_step")
+            if not on_meta:  # traced where the parameters are (the CPU unless moved just above)
+                example = move_data_to_device(example, next(module.parameters()).device)
+            self.pipeline.partition(example, step)
+        if on_meta:  # only this rank's stage and shards are ever allocated
+            materialize(module, unsplit, self.mesh.tp_rank, self.mesh.tp_size, self.root_device, seed)
+        self.model_to_device()
+        if self.pipeline is not None:
+            self.pipeline.link.device = self.root_device
+        if self.is_model_split:
+            self._split_module = weakref.ref(module)
+
+    def _has_split(self, module: Any) -> bool:
+        """Whether ``module`` is the one this strategy split (checking or splitting it again would fail)."""
+        return self._split_module is not None and self._split_module() is module
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator:
+        """``trainer.init_module(empty_init=True)``: parameters on the meta device, materialised in
+        ``setup`` only for this rank's stage and shards (``init.py``)."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with empty_parameters(), self.precision_plugin.tensor_init_context():
+            yield
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # load into the set-up (possibly split) model, so each rank reads only what it holds
+        return True
+
+    def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if not self.is_model_split:
+            local = type(self.checkpoint_io) is TorchCheckpointIO and "://" not in str(filepath)
+            if not local or storage_options is not None:
+                return super().save_checkpoint(checkpoint, filepath, storage_options)
+            if self.is_global_zero:  # Lightning's writer may copy over the old file: see atomic.save_file
+                save_file(checkpoint, Path(filepath))
+            return None
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported with a "
+                            "split model: it writes a directory of shards itself, without the CheckpointIO plugin")
+        save_sharded(self, checkpoint, filepath)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict:
+        if self.zero is not None and self.is_model_split:  # each rank saves its own slices (checkpoint/dcp.py)
+            return self.zero.local_state_dict(optimizer)
+        if self.zero is not None:  # the unsharded optimizer's state for a plain file, gathered on data-parallel rank 0
+            return self.zero.state_dict(optimizer)
+        return super().optimizer_state(optimizer)
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if self.zero is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            self.zero.load_state_dict(optimizer, state)  # each rank keeps the slices it steps
+        _optimizers_to_device(self.optimizers, self.root_device)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict:
+        # a plain file or a directory of shards, written on any layout
+        return load_sharded(self, checkpoint_path, weights_only)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        # a directory of shards disappears by one rename first, so a crash never leaves half of one
+        if self.is_global_zero and Path(filepath).is_dir():
+            remove_checkpoint_dir(Path(filepath))
+        else:
+            super().remove_checkpoint(filepath)
+
+    # ---- steps ---------------------------------------------------------------------------------
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().training_step(*args, **kwargs)
+        trainer = self.lightning_module.trainer
+        batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            for optimizer in self.optimizers:
+                optimizer.zero_grad()
+        # micro-batches accumulate locally; at the window's end each stage's last backward launches its DP buckets
+        no_sync = self.grad_sync.no_sync() if self.grad_sync is not None else nullcontext()
+        overlap = self.finalize_gradients.overlapped(window_ends=not self._sync_blocked)
+        with self.precision_plugin.train_step_context(), no_sync, overlap:
+            loss = self.pipeline.training_step(batch, batch_idx, loss_scale=1.0 / trainer.accumulate_grad_batches)
+        if not self._sync_blocked:
+            self.finalize_gradients()
+        return loss
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        with self.precision_plugin.val_step_context():
+            return self.pipeline.validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().test_step(*args, **kwargs)
+        with self.precision_plugin.test_step_context():
+            return self.pipeline.test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().predict_step(*args, **kwargs)
+        with self.precision_plugin.predict_step_context():
+            return self.pipeline.predict_step(*args, **kwargs)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Lightning registers its signal handlers after setup; take the requeue one over once
+        self._requeue.install()
+        self._requeue.at_batch_boundary(self.root_device)
+
+    # ---- gradients -----------------------------------------------------------------------------
+    @contextmanager
+    def block_backward_sync(self) -> Generator:
+        """Lightning enters this on every batch of an accumulation window but the last."""
+        self._sync_blocked = True
+        try:
+            if self.grad_sync is not None:
+                with self.grad_sync.no_sync():
+                    yield None
+            else:
+                yield None
+        finally:
+            self._sync_blocked = False
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        # after the window's last backward (manual optimisation: after every manual_backward)
+        if not self._sync_blocked:
+            self.finalize_gradients()
+
+    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        params = list(self.precision_plugin.main_params(optimizer))
+        counted_once = self.pipeline.is_counted_once if self.pipeline is not None else (lambda p: True)
+        if self.zero is not None:
+            original = self.zero.original
+            clip_grads_by_global_norm(params, float(clip_val), self.mesh, lambda p: counted_once(original[p]),
+                                      sharded_over_dp=True)
+        else:
+            clip_grads_by_global_norm(params, float(clip_val), self.mesh, counted_once)
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.zero is not None:
+            self.zero.gather_params()
+        return output
+
+    # ---- collectives ---------------------------------------------------------------------------
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Any = "mean") -> Any:
+        """Reduce over the data-parallel replicas (``self.log(..., sync_dist=True)`` comes here).
+
+        The ranks of one replica's tensor and pipeline groups hold the same logged values (TP ranks
+        compute them alike, pipeline stages replay the last stage's), so reducing over every rank
+        would count a ``reduce_fx="sum"`` value tp x pp times; the mean, max and min are the same
+        either way. An explicit ``group`` is used as given.
+        """
+        if isinstance(tensor, Tensor):
+            if group is None and self.mesh is not None and _distributed_is_initialized():
+                group = self.mesh.dp_group
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        """``self.all_gather``: one entry per data-parallel replica (and pipeline stage), not per TP rank.
+
+        The TP ranks of a replica hold the same values, as a model on one device would compute them
+        once; gathering them all would repeat every sample ``tensor_parallel`` times. A group other
+        than the world is used as given.
+        """
+        gathered = super().all_gather(tensor, group, sync_grads)
+        default = group is None or group is dist.group.WORLD  # LightningModule.all_gather passes WORLD
+        if not default or self.mesh is None or self.mesh.tp_size == 1 or not _distributed_is_initialized():
+            return gathered
+        tp = self.mesh.tp_rank
+        return gathered[[r for r in range(self.mesh.world_size) if self.mesh.coords(r).tp == tp]]
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
+        """Whether every rank (``all``) or any rank decided so, over all ranks (early stopping, checkpoints)."""
+        if not _distributed_is_initialized():
+            return decision
+        flag = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(flag, op=dist.ReduceOp.SUM)
+        return bool(flag == self.world_size) if all else bool(flag)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    def teardown(self) -> None:
+        if self.grad_sync is not None:
+            self.grad_sync.remove()
+            self.grad_sync = None
+        module = self.lightning_module
+        trainer = attached_trainer(module) if module is not None else None
+        if self.pipeline is not None and trainer is not None:
+            set_skip_backward(trainer, False)
+        if module is not None and has_meta_parameters(module):  # a refused setup left nothing to move
+            with module_hidden_from_teardown(self):
+                super().teardown()
+        else:
+            super().teardown()

@@ -1,0 +1,164 @@
+"""The CPU recipes on a real SLURM cluster: sbatch, the submitit launcher, refusals, preemption.
+
+CI brings up a single-node SLURM on localhost with `.ci/local_slurm.sh up`. Elsewhere these tests
+skip when no SLURM answers; with CI=true a missing SLURM fails them instead. Every wait is
+bounded, and a job still running at its deadline is cancelled, so a hung collective fails the
+test rather than the CI job.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+SBATCH_SCRIPT = Path(__file__).parents[2] / "recipes/slurm/train.sbatch"
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL"}
+
+
+def _slurm_unavailable() -> str | None:
+    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
+        return "SLURM client commands (sinfo, sbatch) are not installed; run .ci/local_slurm.sh up"
+    result = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30, check=False)
+    if result.returncode != 0 or not {"idle", "mixed", "allocated"} & set(result.stdout.split()):
+        return f"no SLURM node is up (sinfo: {result.stdout.strip() or result.stderr.strip()}); run .ci/local_slurm.sh up"
+    return None
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    reason = _slurm_unavailable()
+    if reason is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the SLURM tests: {reason}")
+        pytest.skip(reason)
+
+
+def job_env() -> dict[str, str]:
+    """This environment without the rendezvous variables earlier in-process launches left behind.
+
+    sbatch exports the submitting environment; a stale MASTER_PORT would make every job on the node
+    rendezvous on one port, and two concurrent jobs would then join each other's process group.
+    """
+    stale = {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK"}
+    return {k: v for k, v in os.environ.items() if k not in stale}
+
+
+def sbatch(cwd: Path, *args: str) -> str:
+    out = subprocess.run(["sbatch", "--parsable", *args], cwd=cwd, env=job_env(), capture_output=True, text=True,
+                         timeout=30, check=True)
+    return out.stdout.strip().split(";")[0]
+
+
+def job_state(job: str) -> str:
+    out = subprocess.run(
+        ["squeue", "-h", "--states=all", "-j", job, "-o", "%T"], capture_output=True, text=True, timeout=30, check=False
+    )
+    return out.stdout.strip()
+
+
+def wait_for(job: str, timeout: float, states=FINAL_STATES) -> str:
+    """Poll until the job reaches one of ``states``; cancel it and fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = job_state(job)
+        if state in states:
+            return state
+        time.sleep(0.5)
+    subprocess.run(["scancel", job], timeout=30, check=False)
+    pytest.fail(f"SLURM job {job} was still {job_state(job)!r} after {timeout} s; cancelled")
+
+
+def train_losses(run_dir: Path, version: int = 0) -> list[tuple[int, float]]:
+    with open(run_dir / f"logs/version_{version}/metrics.csv") as f:
+        # the logger rewrites its header as new metrics appear: early rows may lack train_loss
+        return [(int(r["step"]), float(r["train_loss"])) for r in csv.DictReader(f) if r.get("train_loss")]
+
+
+def check_trained(run_dir: Path, log: str, steps: int) -> None:
+    losses = train_losses(run_dir)
+    assert losses[-1][1] < losses[0][1], f"loss did not fall: {losses}"
+    last = run_dir / "checkpoints/last.ckpt"
+    # a split model (TP or PP) writes a directory of shards whose meta.pt holds the loop state
+    meta = last / "meta.pt" if last.is_dir() else last
+    assert torch.load(meta, map_location="cpu", weights_only=False)["global_step"] == steps
+    assert "peak per device" in log  # lp-plan checked the layout before srun
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "recipe, tasks",
+    [("gpt2_cpu_dp2", 2), ("gpt_3d_cpu", 4)],
+)
+def test_sbatch_recipe_completes_with_falling_loss_and_checkpoint(slurm, tmp_path, recipe, tasks):
+    job = sbatch(tmp_path, f"--ntasks-per-node={tasks}", str(SBATCH_SCRIPT), f"+recipe={recipe}")
+    state = wait_for(job, timeout=200)
+    log = (tmp_path / f"lp-train-{job}.out").read_text()
+    assert state == "COMPLETED", log[-3000:]
+    check_trained(tmp_path / f"runs/lp-train-{job}", log, steps=30)
+
+
+@pytest.mark.timeout(60)
+def test_mismatched_layout_fails_before_any_rank_starts(slurm, tmp_path):
+    # 2 x 2 x 2 = 8 processes asked of a 4-task allocation
+    job = sbatch(tmp_path, "--ntasks-per-node=4", str(SBATCH_SCRIPT), "+recipe=gpt_3d_cpu", "strategy.data_parallel=2")
+    assert wait_for(job, timeout=50) == "FAILED"
+    log = (tmp_path / f"lp-train-{job}.out").read_text()
+    # every suggestion has passed the same checks: resubmit for the layout, or fit the layout to the allocation
+    assert "trainer.num_nodes=2 trainer.devices=4   (sbatch --nodes=2 --ntasks-per-node=4)" in log
+    assert "    strategy.data_parallel=1   # keep 1 node(s) x 4 devices" in log
+    assert "Initializing distributed" not in log
+
+
+@pytest.mark.timeout(240)
+def test_submitit_multirun_sweeps_on_slurm(slurm, tmp_path):
+    sweep = tmp_path / "sweep"
+    result = subprocess.run(
+        [
+            "lp-train", "--multirun", "+recipe=[gpt2_cpu_dp2,submitit]", "model.lr=3e-3,1e-3",
+            "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=5", f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=220, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for job in ("0", "1"):
+        losses = train_losses(sweep / job)
+        assert losses[-1][1] < losses[0][1], f"job {job}: loss did not fall: {losses}"
+        assert (sweep / job / "checkpoints/last.ckpt").exists()
+
+
+@pytest.mark.timeout(300)
+def test_preempted_job_checkpoints_and_resumes_where_it_stopped(slurm, tmp_path):
+    steps = 120
+    job = sbatch(tmp_path, "--ntasks-per-node=2", str(SBATCH_SCRIPT), "+recipe=gpt2_cpu_dp2", f"trainer.max_steps={steps}")
+    run_dir = tmp_path / f"runs/lp-train-{job}"
+    metrics = run_dir / "logs/version_0/metrics.csv"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and train_losses(run_dir)):  # training has begun: handlers are installed
+        assert time.monotonic() < deadline and job_state(job) in ("PENDING", "RUNNING"), job_state(job)
+        time.sleep(0.5)
+    # what `#SBATCH --signal=USR1@120` does before the time limit, now
+    subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=30)
+    wait_for(job, timeout=60, states={"PENDING"} | FINAL_STATES)
+    # a requeued job waits out a begin-time delay (about two minutes); release it at once
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, timeout=30)
+    state = wait_for(job, timeout=180)
+    log = (tmp_path / f"lp-train-{job}.out").read_text()
+    assert state == "COMPLETED", log[-3000:]
+    info = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30, check=True).stdout
+    assert "Restarts=1" in info
+
+    saved = torch.load(run_dir / "hpc_ckpt_1.ckpt", map_location="cpu", weights_only=False)["global_step"]
+    assert 0 < saved < steps
+    assert f"Restoring states from the checkpoint path at {run_dir / 'hpc_ckpt_1.ckpt'}" in log
+    # the requeued run logs into version_1, from the saved step on, and trains to the end
+    resumed = [step for step, _ in train_losses(run_dir, version=1)]
+    assert resumed and min(resumed) >= saved, f"resumed run logged steps {resumed}, saved at {saved}"
+    assert max(resumed) == steps - 1  # logged every 5 steps, 0-based
+    assert log.index(f"`max_steps={steps}` reached") > log.index("Restoring states")
