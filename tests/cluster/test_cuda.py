@@ -137,7 +137,7 @@ def full_parameters(layout: str, records: list[dict]) -> dict:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout", [pytest.param(name, marks=needs_gpus(LAYOUTS[name][0])) for name in LAYOUTS])
 def test_nccl_layout_matches_one_gpu_step_by_step(tmp_path, layout):
-    from tests.helpers.parity import assert_close_series
+    from tests.helpers.parity import assert_close_series, assert_param_close
 
     reference = run_fit(f"single-{LAYOUTS[layout][2]}", tmp_path / "ref")[0]
     records = run_fit(layout, tmp_path / layout)
@@ -146,7 +146,7 @@ def test_nccl_layout_matches_one_gpu_step_by_step(tmp_path, layout):
     full = full_parameters(layout, records)
     assert set(full) == set(reference["params"])
     for name, expected in reference["params"].items():
-        torch.testing.assert_close(full[name], expected, atol=PARAM_TOL, rtol=0, msg=lambda m: f"{name}: {m}")
+        assert_param_close(full[name], expected, atol=PARAM_TOL, name=name)
 
 
 @pytest.mark.cuda

@@ -134,11 +134,31 @@ def mean_over_ranks(records: list[dict], key: str = "losses") -> list[float]:
     return torch.tensor([r[key] for r in records]).mean(0).tolist()
 
 
+def assert_param_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float = 0.0, name: str = "",
+                       outliers: float = 1e-3, outlier_atol: float = 2e-2) -> None:
+    """``actual`` equals ``expected`` within ``atol``/``rtol``, but for at most a fraction ``outliers`` of
+    the elements (at least one), which stay within ``outlier_atol``.
+
+    AdamW divides each update by the running size of that element's gradient, so an element whose
+    gradient is about zero (a softmax shift direction, an embedding row no token used) moves by up to
+    lr per step in a direction that rounding decides: two exact runs that sum in different orders can
+    disagree there by 2 x lr x steps (2e-2 covers lr 1e-3 for 10 steps). A missing, doubled or
+    misplaced gradient moves most of a tensor, and fails.
+    """
+    actual, expected = actual.to(expected.dtype), expected
+    off = (actual - expected).abs() > atol + rtol * expected.abs()
+    if not off.any():
+        return
+    allowed = max(1, int(outliers * expected.numel()))
+    if int(off.sum()) > allowed or (actual - expected).abs().max() > outlier_atol:
+        torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+
+
 def assert_params_close(actual: dict, expected: dict, atol: float, rtol: float = 0.0,
                         names: Callable[[str], bool] = lambda n: True) -> None:
     checked = 0
     for name, ref in expected.items():
         if name in actual and names(name):
-            torch.testing.assert_close(actual[name], ref, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+            assert_param_close(actual[name], ref, atol, rtol, name)
             checked += 1
     assert checked > 0, "no parameter was compared"

@@ -23,7 +23,12 @@ from lightning_parallel.models.gpt import GPT
 from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline import PipelineEngine
 from lightning_parallel.pipeline.memory import ActivationMeter
-from tests.helpers.parity import TensorDataset, assert_params_close, fit_and_record
+from tests.helpers.parity import (
+    TensorDataset,
+    assert_param_close,
+    assert_params_close,
+    fit_and_record,
+)
 from tests.helpers.processes import make_mesh, run_distributed
 
 LOSS_TOL = 1e-5
@@ -106,7 +111,7 @@ def assert_matches(reference, ranks):
     for losses, params in ranks:  # every rank returns the step's loss
         assert losses == pytest.approx(ref_losses, rel=LOSS_TOL, abs=LOSS_TOL)
         for name, value in params.items():
-            torch.testing.assert_close(torch.from_numpy(value), ref_params[name], rtol=0, atol=PARAM_TOL, msg=name)
+            assert_param_close(torch.from_numpy(value), ref_params[name], atol=PARAM_TOL, name=name)
     covered = set().union(*(params for _, params in ranks))
     assert covered == set(ref_params)  # every parameter lives on some stage
 

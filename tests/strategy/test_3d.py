@@ -20,6 +20,7 @@ from tests.data_parallel.test_dp import HFCausalLM
 from tests.helpers.parity import (
     TensorDataset,
     assert_close_series,
+    assert_param_close,
     fit_and_record,
     mean_over_ranks,
 )
@@ -75,7 +76,7 @@ def assert_3d_matches(ref: dict, recs: list[dict]) -> None:
     full = gather_records([recs[0], recs[1], recs[4], recs[5]])  # replica 0: both stages, both shards
     assert set(full) == set(ref["params"])
     for name, expected in ref["params"].items():
-        torch.testing.assert_close(full[name], expected, atol=PARAM_TOL, rtol=0, msg=lambda m: f"{name}: {m}")
+        assert_param_close(full[name], expected, atol=PARAM_TOL, name=name)
 
 
 @pytest.mark.timeout(180)

@@ -20,7 +20,7 @@ from lightning_parallel.tensor_parallel import (
     parallelize,
     parse_plan,
 )
-from tests.helpers.parity import full_parameters
+from tests.helpers.parity import assert_param_close, full_parameters
 from tests.helpers.processes import make_mesh, run_distributed
 
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -130,8 +130,7 @@ def test_tp2_detected_plan_matches_single_process(name):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), **LOSS_TOL)
         assert params.keys() == expected_params.keys()
         for n, p in params.items():
-            torch.testing.assert_close(torch.from_numpy(p), torch.from_numpy(expected_params[n]), **PARAM_TOL,
-                                       msg=lambda m, n=n: f"{n}: {m}")
+            assert_param_close(torch.from_numpy(p), torch.from_numpy(expected_params[n]), **PARAM_TOL, name=n)
 
 
 def test_bert_attention_split_over_sibling_modules_divides_its_stored_head_counts():
@@ -313,8 +312,7 @@ def test_tp2_litgpt_reading_head_counts_from_its_config_matches_single_process()
         assert any(n.endswith("attn.qkv.weight") for n in sharded)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), **LOSS_TOL)
         for n, p in params.items():
-            torch.testing.assert_close(torch.from_numpy(p), torch.from_numpy(expected_params[n]), **PARAM_TOL,
-                                       msg=lambda m, n=n: f"{n}: {m}")
+            assert_param_close(torch.from_numpy(p), torch.from_numpy(expected_params[n]), **PARAM_TOL, name=n)
 
 
 def test_litgpt_with_grouped_kv_heads_is_refused_with_a_plan_leaving_attention_whole():

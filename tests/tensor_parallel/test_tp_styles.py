@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.models.gpt import Block
 from lightning_parallel.tensor_parallel import TensorParallelError, comm, parallelize
-from tests.helpers.parity import full_parameters
+from tests.helpers.parity import assert_param_close, full_parameters
 from tests.helpers.processes import make_mesh, run_distributed
 
 LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -68,9 +68,7 @@ def assert_tp2_matches_single_process(build, loss_fn, plan=None):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), **LOSS_TOL)
         assert params.keys() == expected.keys()
         for name, p in params.items():
-            torch.testing.assert_close(
-                torch.from_numpy(p), torch.from_numpy(expected[name]), **PARAM_TOL, msg=lambda m, n=name: f"{n}: {m}"
-            )
+            assert_param_close(torch.from_numpy(p), torch.from_numpy(expected[name]), **PARAM_TOL, name=name)
     for name, p in results[1][1].items():  # replicated parameters stay identical across ranks
         assert (p == results[0][1][name]).all(), f"{name} drifted apart across ranks"
 

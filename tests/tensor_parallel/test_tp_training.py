@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_parallel.models.gpt import GPT
 from lightning_parallel.strategy import ParallelStrategy
 from lightning_parallel.tensor_parallel import parallelize, sync_sequence_parallel_grads
-from tests.helpers.parity import full_parameters
+from tests.helpers.parity import assert_param_close, full_parameters
 from tests.helpers.processes import make_mesh, run_distributed
 
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -158,9 +158,7 @@ def assert_matches_single_process(model_name, world, tp, sequence_parallel=False
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), **LOSS_TOL)
         assert params.keys() == expected_params.keys()
         for name, p in params.items():
-            torch.testing.assert_close(
-                torch.from_numpy(p), expected_params[name], **PARAM_TOL, msg=lambda m, name=name: f"{name}: {m}"
-            )
+            assert_param_close(torch.from_numpy(p), expected_params[name], **PARAM_TOL, name=name)
     # replicated parameters (LayerNorm gains, row-parallel biases) stay bit-identical across ranks
     for _, params in results[1:]:
         for name, p in params.items():
@@ -280,4 +278,4 @@ def test_trainer_with_tp2_strategy_matches_single_device(build, tmp_path):
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(expected["losses"]), **LOSS_TOL)
     assert got["params"].keys() == expected["params"].keys()
     for name, p in got["params"].items():
-        torch.testing.assert_close(p, expected["params"][name], **PARAM_TOL, msg=lambda m, name=name: f"{name}: {m}")
+        assert_param_close(p, expected["params"][name], **PARAM_TOL, name=name)

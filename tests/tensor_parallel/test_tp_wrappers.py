@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_parallel.strategy import ParallelStrategy
 from lightning_parallel.tensor_parallel import PlanEntry, detect_plan, parallelize
 from lightning_parallel.tensor_parallel.lora import route_lora
+from tests.helpers.parity import assert_param_close
 from tests.helpers.processes import make_mesh, run_distributed
 from tests.tensor_parallel.test_tp_training import (
     LOSS_TOL,
@@ -79,7 +80,7 @@ def test_trainer_tp2_peft_lora_llama_matches_single_device(tmp_path):
     trained = [n for n in expected["params"] if "lora_" in n]
     assert len(trained) == 2 * 2 * len(TARGETS)  # A and B, per layer, per target
     for name, p in got["params"].items():
-        torch.testing.assert_close(p, expected["params"][name], **PARAM_TOL, msg=lambda m, name=name: f"{name}: {m}")
+        assert_param_close(p, expected["params"][name], **PARAM_TOL, name=name)
 
 
 @pytest.mark.timeout(120)
@@ -92,7 +93,7 @@ def test_tp2_lora_with_a_trainable_copy_of_the_head_or_embedding_matches_single_
     copy = [n for n in expected["params"] if f"{saved}.modules_to_save.default.weight" in n]
     assert len(copy) == 1  # the trainable copy, compared below with everything else
     for name, p in got["params"].items():
-        torch.testing.assert_close(p, expected["params"][name], **PARAM_TOL, msg=lambda m, name=name: f"{name}: {m}")
+        assert_param_close(p, expected["params"][name], **PARAM_TOL, name=name)
 
 
 def test_lora_adapters_follow_their_base_layer():
