@@ -227,19 +227,21 @@ class PipelineEngine:
                 raise
             return None
         if not on_meta or unfit(losses.calls):  # on the meta device only the kind of loss shows, not its targets
-            self._learn(step_fn.__name__, losses.calls, micro, results[0], logged, example, self.mesh.pp_rank == 0)
+            self._learn(step_fn.__name__, losses.calls, micro, results[0], logged, [example], self.mesh.pp_rank == 0)
         return dataclasses.replace(order, deterministic=False) if on_meta else order  # no values to compare
 
-    def _learn(self, name: str, calls: list, micro: Any, result: Any, logged: list, batch: Any, warn: bool) -> None:
-        """Learn over which targets step ``name``'s loss is a mean from one run of it on ``micro`` (``targets``);
-        where that cannot be known but ``batch`` looks as if it matters, warn (where ``warn``, on one TP and DP
-        rank: once per run)."""
+    def _learn(self, name: str, calls: list, micro: Any, result: Any, logged: list, batches: list, warn: bool) -> None:
+        """Learn over which targets step ``name``'s loss is a mean from one run of it on ``micro``, one of
+        ``batches`` or of their micro-batches (``targets``); where that cannot be known but the batch looks as if
+        it matters, warn (where ``warn``, on one TP and DP rank: once per run)."""
         loss = None
         if name == "training_step":
             loss = result["loss"] if isinstance(result, dict) else result
             loss = loss if isinstance(loss, torch.Tensor) else None
-        found = self.targets[name] = learn(calls, micro, loss, logged)
-        hint = padding_hint(batch) if isinstance(found, str) and (calls or name == "training_step") else None
+        found = self.targets[name] = learn(calls, micro, loss, logged, batches)
+        hint = None
+        if isinstance(found, str) and (calls or name == "training_step"):
+            hint = next((h for h in map(padding_hint, batches) if h), None)
         if hint and warn and self.mesh.tp_rank == 0 and self.mesh.dp_rank == 0:
             warnings.warn(
                 f"{name}'s loss: {found}. Under pipeline parallelism each micro-batch's loss then counts by its share of "
@@ -428,8 +430,8 @@ class PipelineEngine:
                 out = self._forward(a.stage, step.micro[a.microbatch], step.step_fn, step.step_args, received,
                                     step.conventions.get(key), step.training)
             if learning:
-                self._learn(step.name, losses.calls, step.micro[a.microbatch], out,
-                            self.capture.logged(a.microbatch), step.micro[a.microbatch], True)
+                self._learn(step.name, losses.calls, step.micro[a.microbatch], out, self.capture.logged(a.microbatch),
+                            step.micro, True)
             if a.stage == last:
                 step.results[a.microbatch] = out
             else:

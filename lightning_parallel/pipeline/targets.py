@@ -98,18 +98,19 @@ class TargetCount:
         return [n / total for n in counts] if total else None
 
 
-def learn(calls: list[LossCall], micro_batch: Any, loss: Optional[torch.Tensor],
-          logged: list[tuple[str, Any]]) -> Union[TargetCount, str]:
+def learn(calls: list[LossCall], micro_batch: Any, loss: Optional[torch.Tensor], logged: list[tuple[str, Any]],
+          batches: Optional[list] = None) -> Union[TargetCount, str]:
     """The ``TargetCount`` of a step from what it did on ``micro_batch``: its cross-entropy ``calls``, the
     ``loss`` it returned (None outside training) and the ``(name, value)`` pairs it logged; or, where the
-    loss is not one cross-entropy mean over targets of the batch, why not (a phrase)."""
+    loss is not one cross-entropy mean over targets of the batch, why not (a phrase). ``batches`` (default:
+    ``micro_batch``), batches of the same structure, decide between tensors that all match the targets."""
     reason = unfit(calls)
     if reason:
         return reason
     call = calls[0]
     if call.target.is_meta:
         return "its targets have no values on the meta device"
-    found = _locate(call.target, call.ignore_index, micro_batch)
+    found = _locate(call.target, call.ignore_index, micro_batch, batches or [micro_batch])
     if found is None:
         return ("its cross-entropy targets are no tensor of the batch (as they are, or shifted by one position "
                 "along the last dimension)")
@@ -171,10 +172,24 @@ def _name(path: tuple) -> str:
     return "batch" + "".join(f"[{key!r}]" for key in path)
 
 
-def _locate(target: torch.Tensor, ignore_index: int, micro_batch: Any) -> Optional[tuple[tuple, int]]:
+def _locate(target: torch.Tensor, ignore_index: int, micro_batch: Any, batches: list) -> Optional[tuple[tuple, int]]:
     """``(path, shift)`` of the batch tensor ``target`` was made from: element for element equal to it as it
     is (shift 0), or from position 1 of its last dimension on, with or without the ignore index appended
-    (shift 1); the first such tensor in the batch's order."""
+    (shift 1).
+
+    Several tensors match where the ignore index does not occur in ``micro_batch`` (``input_ids`` equals
+    ``labels`` in a sample without padding). Then the one that holds the ignore index somewhere in
+    ``batches`` is taken (token ids never equal it), else the last in the batch's order (targets follow
+    inputs: ``(x, y)``, Hugging Face's ``labels`` after ``input_ids``).
+    """
+    found = list(_matches(target, ignore_index, micro_batch))
+    if not found:
+        return None
+    holding = [f for f in found if any(bool((_at(b, f[0]) == ignore_index).any()) for b in batches)]
+    return (holding or found)[-1]
+
+
+def _matches(target: torch.Tensor, ignore_index: int, micro_batch: Any) -> Iterator[tuple[tuple, int]]:
     flat = target.reshape(-1)
     for path, t in _leaves(micro_batch):
         if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
@@ -185,8 +200,8 @@ def _locate(target: torch.Tensor, ignore_index: int, micro_batch: Any) -> Option
             forms += [(1, t[..., 1:]), (1, F.pad(t[..., 1:], (0, 1), value=ignore_index))]
         for shift, form in forms:
             if form.numel() == flat.numel() and torch.equal(form.reshape(-1).to(flat.dtype), flat):
-                return path, shift
-    return None
+                yield path, shift
+                break
 
 
 def _follows(loss: torch.Tensor, output: torch.Tensor) -> bool:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, default_collate
 
+from lightning_parallel import ParallelStrategy
 from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline import PipelineEngine
 from lightning_parallel.pipeline.targets import CrossEntropyCalls, TargetCount, learn, padding_hint
@@ -118,6 +119,16 @@ def test_learns_labels_shifted_inside_a_causal_lm_and_unshifted_in_a_masked_lm()
     sliced = _learnt(lambda b: F.cross_entropy(torch.randn(4, SEQ - 1, VOCAB).flatten(0, 1), b[0][:, 1:].flatten()), (x,))
     assert (sliced.path, sliced.shift) == ((0,), 1)
     assert int(causal.targets(batch)) == int((batch["labels"][:, 1:] != -100).sum())
+    # a micro-batch without padding: input_ids equal labels there; the tensor holding -100 elsewhere in the
+    # batch is the labels, and without any padding the later one is taken
+    full = {k: v[:1] for k, v in batch.items()}
+    full["input_ids"] = full["labels"] = torch.randint(4, VOCAB, (1, SEQ))
+    with CrossEntropyCalls() as losses:
+        tiny_llama()(**full)
+    assert learn(losses.calls, full, None, [], [full, batch]).path == ("labels",)
+    assert learn(losses.calls, full, None, []).path == ("labels",)
+    reordered = {"labels": full["labels"], "input_ids": full["input_ids"]}
+    assert learn(losses.calls, reordered, None, [], [reordered, batch]).path == ("labels",)
 
 
 def test_a_loss_that_is_no_mean_over_batch_targets_is_not_counted_by_targets():
@@ -207,3 +218,58 @@ def test_a_loss_the_pipeline_cannot_count_is_warned_about_and_weighted_by_sample
     reference, records = _fit_pair(tmp_path, CountedBySum(), PaddedText(), steps=1)
     # the sample-weighted mean of micro-batch means: off from the first step by far more than parity allows
     assert abs(records[-1]["losses"][0] - reference["losses"][0]) > 1e-3
+
+
+def _fit_on_meta(out, devices, pp):
+    """``trainer.init_module(empty_init=True)``: the model is split on the meta device, traced there, and only
+    then materialised (with the values one device would get); the targets are learnt in the first step."""
+    from torch.utils.data import DataLoader
+
+    from tests.helpers.parity import _Recorder
+
+    out.mkdir(parents=True)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, max_steps=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+                        strategy=ParallelStrategy(pipeline_parallel=pp, micro_batches=4, start_method="fork", timeout=60),
+                        callbacks=[_Recorder(str(out))])
+    with trainer.init_module(empty_init=True):
+        module = FineTune()
+    trainer.fit(module, DataLoader(PaddedText(), batch_size=8))
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)]
+
+
+@pytest.mark.timeout(120)
+def test_a_model_initialised_on_the_meta_device_learns_its_targets_in_the_first_step(tmp_path):
+    warnings.filterwarnings("ignore")
+    reference = _fit_on_meta(tmp_path / "one", 1, 1)[0]
+    assert_records_match(reference, _fit_on_meta(tmp_path / "pp2", 2, 2))
+
+
+# ---- data parallelism: each replica's own mean, as Lightning's ddp --------------------------------------
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("tp,pp", [(1, 1), (1, 2), (2, 2)], ids=["dp2", "pp2xdp2", "tp2xpp2xdp2"])
+def test_data_parallel_replicas_average_their_own_token_means_as_lightning_ddp(tmp_path, tp, pp):
+    # DDP averages the replicas' gradients, each of its replica's mean over its own targets: with uneven
+    # target counts per replica that is not one device's mean over the global batch, and it is what every
+    # layout here reproduces, replica by replica
+    from lightning.pytorch.strategies import DDPStrategy
+
+    warnings.filterwarnings("ignore")
+    module, data = FineTune(), PaddedText()
+    ddp = fit_and_record(module, data, 4, str(tmp_path / "ddp"), devices=2, max_steps=3,
+                         strategy=DDPStrategy(start_method="fork"))
+    strategy = ParallelStrategy(data_parallel=2, tensor_parallel=tp, pipeline_parallel=pp, micro_batches=4,
+                                start_method="fork", timeout=60)
+    records = fit_and_record(module, data, 4, str(tmp_path / "ours"), devices=2 * tp * pp, max_steps=3,
+                             strategy=strategy, callbacks=[ShardRecorder(str(tmp_path))])
+    for rank, record in enumerate(records):  # rank = (stage * 2 + replica) * tp + tp_rank
+        replica = rank // tp % 2
+        assert record["losses"] == pytest.approx(ddp[replica]["losses"], rel=LOSS_TOL, abs=LOSS_TOL)
+        record["shards"] = torch.load(str(tmp_path / f"shards{rank}.pt"), weights_only=False)
+    replica0 = [r for rank, r in enumerate(records) if rank // tp % 2 == 0]
+    full = gather_records(replica0) if tp > 1 else {n: p for r in replica0 for n, p in r["params"].items()}
+    assert set(full) == set(ddp[0]["params"])
+    for name, expected in ddp[0]["params"].items():
+        torch.testing.assert_close(full[name], expected, atol=5e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+    global_batch = fit_and_record(module, data, 8, str(tmp_path / "one"), max_steps=1, emulate_replicas=2)[0]
+    assert abs(sum(d["losses"][0] for d in ddp) / 2 - global_batch["losses"][0]) > 1e-4  # the DDP semantics bite
