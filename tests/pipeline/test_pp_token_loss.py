@@ -14,6 +14,7 @@ still what runs where the targets cannot be learnt) is 1e-2 off on these batches
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import lightning as L
@@ -89,6 +90,9 @@ class FineTune(L.LightningModule):
         self.log("train_loss", loss)
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.model(**batch).loss)
+
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.1)
 
@@ -150,11 +154,36 @@ def test_a_loss_that_is_no_mean_over_batch_targets_is_not_counted_by_targets():
 
 # ---- parity --------------------------------------------------------------------------------------------
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb_h1"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb_h1", "zbv"])
 def test_padded_hf_llama_batches_match_single_device_at_pp2(tmp_path, schedule):
     warnings.filterwarnings("ignore")
-    reference, records = _fit_pair(tmp_path, FineTune(), PaddedText(), strategy=pp_strategy(schedule=schedule))
+    # zbv places the last stage on rank 0, beside the first
+    strategy = pp_strategy(schedule=schedule, virtual_stages=2 if schedule == "zbv" else 1)
+    reference, records = _fit_pair(tmp_path, FineTune(), PaddedText(), strategy=strategy)
     assert_records_match(reference, records)
+
+
+def _validated(out, devices, strategy):
+    from torch.utils.data import DataLoader
+
+    from tests.pipeline.test_pp_batches import _ValLoss
+
+    os.makedirs(out)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=2, limit_train_batches=2,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, use_distributed_sampler=False, callbacks=[_ValLoss(out)])
+    trainer.fit(FineTune(), DataLoader(PaddedText(), batch_size=8), DataLoader(PaddedText(20, seed=1), batch_size=8))
+    return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(devices)]
+
+
+@pytest.mark.timeout(120)
+def test_logged_validation_loss_matches_single_device_at_pp2(tmp_path):
+    # validation_step's targets are learnt in its first run on the last stage (fit's setup traced training_step);
+    # its batches of 8, 8 and 4 samples are averaged by Lightning with their sizes, as on one device
+    warnings.filterwarnings("ignore")
+    reference = _validated(str(tmp_path / "one"), 1, "auto")[0]
+    for values in _validated(str(tmp_path / "pp"), 2, pp_strategy()):
+        assert values == pytest.approx(reference, abs=LOSS_TOL)
 
 
 @pytest.mark.timeout(120)
