@@ -244,8 +244,8 @@ class PipelineEngine:
             hint = next((h for h in map(padding_hint, batches) if h), None)
         if hint and warn and self.mesh.tp_rank == 0 and self.mesh.dp_rank == 0:
             warnings.warn(
-                f"{name}'s loss: {found}. Under pipeline parallelism each micro-batch's loss then counts by its share of "
-                f"the batch's samples, which equals one device's loss only when every sample has as many targets; "
+                f"{name}'s loss: {found}. Under pipeline parallelism each micro-batch's loss then counts by its share "
+                f"of the batch's samples, which equals one device's loss only when every sample has as many targets; "
                 f"{hint}, so the loss, its gradients and logged means may differ from one device's. For a mean over "
                 "real tokens that stays exact, compute the loss with one torch.nn.functional.cross_entropy (or a "
                 "Hugging Face model's labels=) on labels taken from the batch, reduction='mean' and an ignore_index",

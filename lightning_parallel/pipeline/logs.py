@@ -7,8 +7,8 @@ the engine broadcasts the records of the last stage and every rank replays them,
 order, through the real ``self.log``. Values of one key are combined over micro-batches as the
 call's ``reduce_fx`` says, so a step's value equals the full batch's: the mean (the default) with
 the micro-batch weights the engine gives per key (the loss's shares of the targets for the loss,
-shares of the samples for the rest, see ``targets``), ``"sum"`` summed, ``"max"`` / ``"min"`` the largest / smallest, any other
-callable applied to the stacked values.
+shares of the samples for the rest, see ``targets``), ``"sum"`` summed, ``"max"`` / ``"min"`` the
+largest / smallest, any other callable applied to the stacked values.
 """
 
 from __future__ import annotations

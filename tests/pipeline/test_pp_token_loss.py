@@ -8,8 +8,8 @@ pipelined; each step's loss, the logged ``train_loss`` and the final parameters 
 
 Tolerances: ``test_pp_training``'s (losses 1e-5, parameters 5e-5; measured ~1e-7 and ~1e-6): the
 pipeline only reorders float32 sums. Weighting micro-batches by samples instead (the old behaviour,
-still what runs where the targets cannot be learnt) is 1e-2 off on these batches from the first step
-(``test_a_loss_the_pipeline_cannot_count_is_warned_about_and_weighted_by_samples``).
+still what runs where the targets cannot be learnt) is 3e-3 off on these batches at the first step and
+2e-2 in parameters after three (``test_a_loss_the_pipeline_cannot_count_is_warned_about_and_weighted_by_samples``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,12 @@ from torch.utils.data import Dataset, default_collate
 from lightning_parallel import ParallelStrategy
 from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline import PipelineEngine
-from lightning_parallel.pipeline.targets import CrossEntropyCalls, TargetCount, learn, padding_hint
+from lightning_parallel.pipeline.targets import (
+    CrossEntropyCalls,
+    TargetCount,
+    learn,
+    padding_hint,
+)
 from tests.helpers.parity import fit_and_record
 from tests.helpers.processes import make_mesh, run_distributed
 from tests.pipeline.test_pp_training import LOSS_TOL, assert_records_match, pp_strategy
@@ -108,19 +113,21 @@ def _fit_pair(tmp_path, module, data, batch_size=8, devices=2, strategy=None, st
 def _learnt(module_or_fn, batch, training=True):
     with CrossEntropyCalls() as losses:
         loss = module_or_fn(batch)
-    return learn(losses.calls, batch, loss if training else None, [("train_loss", loss), ("other", loss * 2)])
+    logged = [("train_loss", loss), ("as_number", float(loss)), ("other", loss * 2)]
+    return learn(losses.calls, batch, loss if training else None, logged)
 
 
 def test_learns_labels_shifted_inside_a_causal_lm_and_unshifted_in_a_masked_lm():
     data = PaddedText(4)
     batch = default_collate([data[i] for i in range(4)])
     causal = _learnt(lambda b: tiny_llama()(**b).loss, batch)
-    assert causal == TargetCount(("labels",), 1, -100, frozenset({"train_loss"}))
+    as_loss = frozenset({"train_loss", "as_number"})  # logged values equal to the loss, a tensor or a number
+    assert causal == TargetCount(("labels",), 1, -100, as_loss)
     masked = dict(batch, labels=batch["labels"].masked_fill(torch.rand(4, SEQ) < 0.5, -100))
-    assert _learnt(lambda b: tiny_bert()(**b).loss, masked) == TargetCount(("labels",), 0, -100, frozenset({"train_loss"}))
+    assert _learnt(lambda b: tiny_bert()(**b).loss, masked) == TargetCount(("labels",), 0, -100, as_loss)
     # nanoGPT style: the step slices the targets itself; a tuple batch
-    x = batch["input_ids"]
-    sliced = _learnt(lambda b: F.cross_entropy(torch.randn(4, SEQ - 1, VOCAB).flatten(0, 1), b[0][:, 1:].flatten()), (x,))
+    logits = torch.randn(4, SEQ - 1, VOCAB).flatten(0, 1)
+    sliced = _learnt(lambda b: F.cross_entropy(logits, b[0][:, 1:].flatten()), (batch["input_ids"],))
     assert (sliced.path, sliced.shift) == ((0,), 1)
     assert int(causal.targets(batch)) == int((batch["labels"][:, 1:] != -100).sum())
     # a micro-batch without padding: input_ids equal labels there; the tensor holding -100 elsewhere in the
@@ -257,10 +264,10 @@ def _fit_on_meta(out, devices, pp):
     from tests.helpers.parity import _Recorder
 
     out.mkdir(parents=True)
+    strategy = ParallelStrategy(pipeline_parallel=pp, micro_batches=4, start_method="fork", timeout=60)
     trainer = L.Trainer(accelerator="cpu", devices=devices, max_steps=3, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
-                        strategy=ParallelStrategy(pipeline_parallel=pp, micro_batches=4, start_method="fork", timeout=60),
-                        callbacks=[_Recorder(str(out))])
+                        strategy=strategy, callbacks=[_Recorder(str(out))])
     with trainer.init_module(empty_init=True):
         module = FineTune()
     trainer.fit(module, DataLoader(PaddedText(), batch_size=8))
