@@ -32,9 +32,9 @@ from lightning_parallel.pipeline.targets import (
     learn,
     padding_hint,
 )
-from tests.helpers.parity import fit_and_record
+from tests.helpers.parity import assert_params_close, fit_and_record
 from tests.helpers.processes import make_mesh, run_distributed
-from tests.pipeline.test_pp_training import LOSS_TOL, assert_records_match, pp_strategy
+from tests.pipeline.test_pp_training import LOSS_TOL, PARAM_TOL, assert_records_match, pp_strategy
 from tests.strategy.test_3d import ShardRecorder, gather_records
 
 VOCAB, SEQ, MASK_ID = 128, 16, 3
@@ -221,8 +221,7 @@ def test_padded_hf_llama_batches_match_single_device_at_tp2_pp2(tmp_path):
         record["shards"] = torch.load(str(tmp_path / f"shards{r}.pt"), weights_only=False)
     full = gather_records(records)  # rank = pp * 2 + tp
     assert set(full) == set(reference["params"])
-    for name, expected in reference["params"].items():
-        torch.testing.assert_close(full[name], expected, atol=5e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+    assert_params_close(full, reference["params"], atol=PARAM_TOL)
 
 
 class CountedBySum(FineTune):
@@ -305,7 +304,6 @@ def test_data_parallel_replicas_average_their_own_token_means_as_lightning_ddp(t
     replica0 = [r for rank, r in enumerate(records) if rank // tp % 2 == 0]
     full = gather_records(replica0) if tp > 1 else {n: p for r in replica0 for n, p in r["params"].items()}
     assert set(full) == set(ddp[0]["params"])
-    for name, expected in ddp[0]["params"].items():
-        torch.testing.assert_close(full[name], expected, atol=5e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+    assert_params_close(full, ddp[0]["params"], atol=PARAM_TOL)
     global_batch = fit_and_record(module, data, 8, str(tmp_path / "one"), max_steps=1, emulate_replicas=2)[0]
     assert abs(sum(d["losses"][0] for d in ddp) / 2 - global_batch["losses"][0]) > 1e-4  # the DDP semantics bite
