@@ -215,7 +215,11 @@ class PipelineEngine:
         a meta-device run fails for any reason but the model's being unsplittable. Learns the loss's
         targets from the same run where its values are real."""
         results = []
-        run = lambda: results.append(step_fn(meta_batch(micro) if on_meta else micro, 0)) or results[0]  # noqa: E731
+
+        def run() -> Any:
+            results.append(step_fn(meta_batch(micro) if on_meta else micro, 0))
+            return results[0]
+
         losses = CrossEntropyCalls()
         try:
             with untouched(self.module), self.capture.suppressed() as logged, meta_device(self.module, on_meta), losses:

@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from torch.nn import _reduction
 from torch.overrides import TorchFunctionMode
 
+from lightning_parallel.pipeline.microbatch import batch_size
+
 _LOSSES = (F.cross_entropy, F.nll_loss)
 IGNORE_INDEX = -100  # the Hugging Face and PyTorch default
 
@@ -190,9 +192,12 @@ def _locate(target: torch.Tensor, ignore_index: int, micro_batch: Any, batches: 
 
 
 def _matches(target: torch.Tensor, ignore_index: int, micro_batch: Any) -> Iterator[tuple[tuple, int]]:
+    """Integer tensors of ``micro_batch`` with a row per sample (so that every micro-batch has its own rows
+    there, not one sample's entry of a per-sample list) that ``target`` was made from, with their shift."""
     flat = target.reshape(-1)
+    samples = batch_size(micro_batch)
     for path, t in _leaves(micro_batch):
-        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or t.dim() == 0 or t.shape[0] != samples:
             continue
         t = t.to(target.device)
         forms = [(0, t)]

@@ -44,10 +44,10 @@ class PaddedText(Dataset):
     """Dict samples as a Hugging Face collator leaves them: right padding with id 0, labels -100 there.
 
     ``masked``: BERT-style, about a third of the real tokens replaced by ``MASK_ID`` and labelled, every
-    other label -100 (the first token of each sample always masked, so no sample lacks a target).
+    other label -100 (the first token of each sample always masked). ``unlabelled``: samples without any target.
     """
 
-    def __init__(self, n: int = 32, masked: bool = False, seed: int = 0):
+    def __init__(self, n: int = 32, masked: bool = False, seed: int = 0, unlabelled: tuple = ()):
         g = torch.Generator().manual_seed(seed)
         lengths = torch.randint(2, SEQ + 1, (n,), generator=g)
         tokens = torch.randint(4, VOCAB, (n, SEQ), generator=g)
@@ -59,6 +59,7 @@ class PaddedText(Dataset):
             chosen[:, 0] = True
             self.input_ids = self.input_ids.masked_fill(chosen, MASK_ID)
             self.labels = self.labels.masked_fill(~chosen, -100)
+        self.labels[list(unlabelled)] = -100  # prompt-only samples: no target at all
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -151,6 +152,9 @@ def test_a_loss_that_is_no_mean_over_batch_targets_is_not_counted_by_targets():
     assert "no torch.nn.functional.cross_entropy" in _learnt(lambda b: logits.square().mean(), batch)
     assert "weighs classes" in _learnt(lambda b: F.cross_entropy(logits, y, weight=torch.ones(VOCAB)), batch)
     assert "no tensor of the batch" in _learnt(lambda b: F.cross_entropy(logits, (y + 1) % VOCAB), batch)
+    # one sample's entry of a per-sample list (a custom collate's): other micro-batches have other samples there
+    one = {"x": batch["x"][:1], "y": [batch["y"][0]]}
+    assert "no tensor of the batch" in _learnt(lambda b: F.cross_entropy(logits[:SEQ], b["y"][0]), one)
     ce = []
     assert "does not depend" in _learnt(lambda b: ce.append(F.cross_entropy(logits, y)) or logits.sum(), batch)
     assert padding_hint(batch) is None
@@ -191,6 +195,16 @@ def test_logged_validation_loss_matches_single_device_at_pp2(tmp_path):
     reference = _validated(str(tmp_path / "one"), 1, "auto")[0]
     for values in _validated(str(tmp_path / "pp"), 2, pp_strategy()):
         assert values == pytest.approx(reference, abs=LOSS_TOL)
+
+
+@pytest.mark.timeout(120)
+def test_a_micro_batch_without_targets_takes_no_part_as_on_one_device(tmp_path):
+    # samples 6 and 7 of the first batch of 8 (its last micro-batch) are labelled -100 throughout: that
+    # micro-batch's own mean is NaN, one device's mean over the batch is not
+    warnings.filterwarnings("ignore")
+    reference, records = _fit_pair(tmp_path, FineTune(), PaddedText(unlabelled=(6, 7)))
+    assert all(torch.isfinite(torch.tensor(reference["losses"])))
+    assert_records_match(reference, records)
 
 
 @pytest.mark.timeout(120)
