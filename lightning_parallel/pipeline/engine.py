@@ -389,6 +389,9 @@ class PipelineEngine:
         actions, delivered_by, runs, finals = schedule
         split = {(a.microbatch, a.stage) for a in actions if a.op == "W"}
         step = _Step(micro, shares, step_fn, step_args, loss_scale, split)
+        if self.mesh.pp_rank == self.plan.rank_of_stage(self.plan.num_stages - 1) and step.name in self.targets:
+            # the targets' counts reach the host now, before this step's kernels queue behind the read
+            self._loss_shares(step)
         run_at = {start: n for n, (start, _) in enumerate(runs)}
         sending = step.sending
         with self.capture.recording():
@@ -611,10 +614,11 @@ class PipelineEngine:
             records = self.capture.records(lambda name, mb: (loss_shares if name in as_loss else step.shares)[mb])
             extras = None
             if training:
-                # at least float32 (a bf16 loss is summed in float32), float64 under ``64-true``; a micro-batch
-                # without targets (its mean is NaN) takes no part, as on one device
-                value = sum(w * results[mb].to(torch.promote_types(results[mb].dtype, torch.float32)).cpu()
-                            for mb, w in enumerate(loss_shares) if w)
+                # at least float32 (a bf16 loss is summed in float32), float64 under ``64-true``, in one copy to
+                # the host; a micro-batch without targets (its mean is NaN) takes no part, as on one device
+                losses = torch.stack([results[mb] for mb in range(len(loss_shares))])
+                losses = losses.to(torch.promote_types(losses.dtype, torch.float32)).cpu()
+                value = sum(w * losses[mb] for mb, w in enumerate(loss_shares) if w)
                 if len(step.extras) == len(results):
                     extras = tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v,
                                       merge_outputs([step.extras[mb] for mb in sorted(step.extras)], sizes))
