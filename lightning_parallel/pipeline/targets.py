@@ -20,7 +20,9 @@ before micro-batch M's forward.
 
 Where the rule cannot be learnt (several or no cross-entropy calls, a summed or class-weighted one,
 targets computed inside the step), the pipeline keeps weighting by samples; ``padding_hint`` tells
-when a batch looks as if that matters (ignore indices, a padding mask), for a warning at setup.
+when a batch looks as if that matters (ignore indices, a padding mask), for a warning at setup. A
+model on the meta device runs its setup trace without values: there ``unfit`` tells from the calls
+alone whether the loss can be counted, and the targets are learnt in the first real step.
 """
 
 from __future__ import annotations
@@ -110,8 +112,6 @@ def learn(calls: list[LossCall], micro_batch: Any, loss: Optional[torch.Tensor],
     if reason:
         return reason
     call = calls[0]
-    if call.target.is_meta:
-        return "its targets have no values on the meta device"
     found = _locate(call.target, call.ignore_index, micro_batch, batches or [micro_batch])
     if found is None:
         return ("its cross-entropy targets are no tensor of the batch (as they are, or shifted by one position "
