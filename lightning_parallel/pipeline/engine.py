@@ -10,7 +10,8 @@ from ``schedules`` (GPipe, 1F1B, interleaved 1F1B, or ZB-H1, ZB-V and DualPipeV 
 own stream (``randomness``). A forward action calls the user's own ``training_step`` on the micro-batch; the
 stand-ins of ``stage_modules`` make it compute only this stage's blocks and stop at the stage
 boundary. A backward action back-propagates the received gradient (or, on the last stage, the
-loss scaled once by ``loss_scale`` times the micro-batch's share of the batch). After a forward
+loss scaled once by ``loss_scale`` times the micro-batch's share of the batch: of its targets where
+the loss is a cross-entropy mean over targets of the batch, see ``targets``, else of its samples). After a forward
 output is sent its storage is released, keeping only the autograd graph (Megatron-LM's
 ``deallocate_output_tensor``), and backward then runs through the autograd engine directly. The
 receives of the next exchange are posted as soon as their shapes are known (``p2p``).
@@ -27,7 +28,7 @@ import dataclasses
 import time
 import warnings
 from contextlib import ExitStack, nullcontext
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -79,6 +80,13 @@ from lightning_parallel.pipeline.stage_modules import (
     StageRuntime,
     apply_stage_plan,
 )
+from lightning_parallel.pipeline.targets import (
+    CrossEntropyCalls,
+    TargetCount,
+    learn,
+    padding_hint,
+    unfit,
+)
 
 
 @dataclasses.dataclass
@@ -86,11 +94,12 @@ class _Step:
     """What one step's actions share, keyed by (micro-batch, stage) unless said otherwise."""
 
     micro: list
-    weights: list[float]  # each micro-batch's share of the batch
+    shares: list[float]  # each micro-batch's share of the batch's samples
     step_fn: Callable
     step_args: tuple
     loss_scale: Optional[float]  # None outside training
     split: set  # backwards whose weight gradients a W computes
+    loss_shares: Optional[list[float]] = None  # of the loss's targets (``PipelineEngine._loss_shares``)
     inputs: dict = dataclasses.field(default_factory=dict)  # received hidden states
     conventions: dict = dataclasses.field(default_factory=dict)
     outputs: dict = dataclasses.field(default_factory=dict)  # kept for backward (storage released after send)
@@ -105,6 +114,10 @@ class _Step:
     @property
     def training(self) -> bool:
         return self.loss_scale is not None
+
+    @property
+    def name(self) -> str:
+        return getattr(self.step_fn, "__name__", "step")
 
 
 class PipelineEngine:
@@ -147,6 +160,9 @@ class PipelineEngine:
         # embedding in a V) gets its last addition in the later of the two
         self.final_weight_context: Callable[[int], ContextManager] = lambda stage: nullcontext()
         self._schedules: dict[tuple[int, bool], tuple] = {}
+        # per step name: where its loss's targets are in the batch, or why that is unknown (``targets``);
+        # learnt from the setup trace, or from the first real forward on the last stage
+        self.targets: dict[str, Union[TargetCount, str]] = {}
 
     # ---- setup -----------------------------------------------------------------------------
     def partition(self, example: Any = None, step: str = "training_step") -> None:
@@ -159,7 +175,8 @@ class PipelineEngine:
         is suppressed). A model whose parameters are still on the meta device
         (``trainer.init_module(empty_init=True)``) runs it on the meta device (``meta_trace``); where
         that fails (data-dependent code such as ``.item()``), and without an example, registration
-        order is assumed and checked while training.
+        order is assumed and checked while training. The same run shows over which targets the loss
+        is a mean (``targets``; on the meta device, learnt from the first real step instead).
         """
         mesh, rank = self.mesh, self.mesh.pp_rank
         order = None
@@ -176,7 +193,7 @@ class PipelineEngine:
                 )
             micro = split_batch(example, self.micro_batches)[0][0]
             step_fn = getattr(self.module, step)
-            order = self._trace(micro, step_fn, on_meta)
+            order = self._trace(micro, step_fn, on_meta, example)
             if order is not None:
                 self.plan = plan_stages(self.module, mesh.pp_size, self.virtual_stages, self.plan.blocks_path,
                                         self.layout, order, self.placement)
@@ -193,12 +210,19 @@ class PipelineEngine:
             with meta_device(self.module, on_meta):
                 self._probe(order, meta_batch(micro) if on_meta else micro, step_fn, on_meta)
 
-    def _trace(self, micro: Any, step_fn: Callable, on_meta: bool) -> Optional[RunOrder]:
+    def _trace(self, micro: Any, step_fn: Callable, on_meta: bool, example: Any) -> Optional[RunOrder]:
         """``order.trace_run_order`` on ``micro``, on the meta device for a meta-device model; None where
-        a meta-device run fails for any reason but the model's being unsplittable."""
-        run = lambda: step_fn(meta_batch(micro) if on_meta else micro, 0)  # noqa: E731
+        a meta-device run fails for any reason but the model's being unsplittable. Learns the loss's
+        targets from the same run where its values are real."""
+        results = []
+
+        def run() -> Any:
+            results.append(step_fn(meta_batch(micro) if on_meta else micro, 0))
+            return results[0]
+
+        losses = CrossEntropyCalls()
         try:
-            with untouched(self.module), self.capture.suppressed(), meta_device(self.module, on_meta):
+            with untouched(self.module), self.capture.suppressed() as logged, meta_device(self.module, on_meta), losses:
                 order = trace_run_order(self.module, self.plan.blocks_path, run)
         except PipelineIncompatibleModel:
             raise
@@ -206,7 +230,31 @@ class PipelineEngine:
             if not on_meta:
                 raise
             return None
+        if not on_meta or unfit(losses.calls):  # on the meta device only the kind of loss shows, not its targets
+            self._learn(step_fn.__name__, losses.calls, micro, results[0], logged, [example], self.mesh.pp_rank == 0)
         return dataclasses.replace(order, deterministic=False) if on_meta else order  # no values to compare
+
+    def _learn(self, name: str, calls: list, micro: Any, result: Any, logged: list, batches: list, warn: bool) -> None:
+        """Learn over which targets step ``name``'s loss is a mean from one run of it on ``micro``, one of
+        ``batches`` or of their micro-batches (``targets``); where that cannot be known but the batch looks as if
+        it matters, warn (where ``warn``, on one TP and DP rank: once per run)."""
+        loss = None
+        if name == "training_step":
+            loss = result["loss"] if isinstance(result, dict) else result
+            loss = loss if isinstance(loss, torch.Tensor) else None
+        found = self.targets[name] = learn(calls, micro, loss, logged, batches)
+        hint = None
+        if isinstance(found, str) and (calls or name == "training_step"):
+            hint = next((h for h in map(padding_hint, batches) if h), None)
+        if hint and warn and self.mesh.tp_rank == 0 and self.mesh.dp_rank == 0:
+            warnings.warn(
+                f"{name}'s loss: {found}. Under pipeline parallelism each micro-batch's loss then counts by its share "
+                f"of the batch's samples, which equals one device's loss only when every sample has as many targets; "
+                f"{hint}, so the loss, its gradients and logged means may differ from one device's. For a mean over "
+                "real tokens that stays exact, compute the loss with one torch.nn.functional.cross_entropy (or a "
+                "Hugging Face model's labels=) on labels taken from the batch, reduction='mean' and an ignore_index",
+                stacklevel=3,
+            )
 
     def _probe(self, order: RunOrder, micro: Any, step_fn: Callable, on_meta: bool = False) -> None:
         """Run each stage of this rank once on the traced example and refuse, on every rank alike, a split
@@ -330,17 +378,20 @@ class PipelineEngine:
     def _run(self, step_fn: Callable, batch: Any, step_args: tuple, loss_scale: Optional[float]) -> Any:
         if self.link is None:
             raise RuntimeError("PipelineEngine.partition() must run before the first step")
-        micro, weights = split_batch(batch, self.micro_batches)
+        micro, shares = split_batch(batch, self.micro_batches)
         training = loss_scale is not None
         schedule = self._schedule(len(micro), training)
         if self.randomness is None:  # on the device the stage computes on (known after materialising)
             self.randomness = StageRandomness(self._seed, self.mesh.pp_rank, self.link.device)
         # equal on every stage, which all see the same batch: micro-batches with one key give one shape
-        keys = [(w, signature(m), training) for w, m in zip(weights, micro)]
+        keys = [(w, signature(m), training) for w, m in zip(shares, micro)]
         self.link.new_step()
         actions, delivered_by, runs, finals = schedule
         split = {(a.microbatch, a.stage) for a in actions if a.op == "W"}
-        step = _Step(micro, weights, step_fn, step_args, loss_scale, split)
+        step = _Step(micro, shares, step_fn, step_args, loss_scale, split)
+        if self.mesh.pp_rank == self.plan.rank_of_stage(self.plan.num_stages - 1) and step.name in self.targets:
+            # the targets' counts reach the host now, before this step's kernels queue behind the read
+            self._loss_shares(step)
         run_at = {start: n for n, (start, _) in enumerate(runs)}
         sending = step.sending
         with self.capture.recording():
@@ -379,10 +430,15 @@ class PipelineEngine:
         t0 = time.perf_counter()
         key = (a.microbatch, a.stage)
         if a.op == "F":
-            self.capture.weight = step.weights[a.microbatch]
+            self.capture.microbatch = a.microbatch
             received = step.inputs.get(key) if step.training else step.inputs.pop(key, None)  # kept for backward
-            out = self._forward(a.stage, step.micro[a.microbatch], step.step_fn, step.step_args, received,
-                                step.conventions.get(key), step.training)
+            learning = a.stage == last and step.name not in self.targets
+            with CrossEntropyCalls() if learning else nullcontext() as losses:
+                out = self._forward(a.stage, step.micro[a.microbatch], step.step_fn, step.step_args, received,
+                                    step.conventions.get(key), step.training)
+            if learning:
+                self._learn(step.name, losses.calls, step.micro[a.microbatch], out, self.capture.logged(a.microbatch),
+                            step.micro, True)
             if a.stage == last:
                 step.results[a.microbatch] = out
             else:
@@ -457,7 +513,7 @@ class PipelineEngine:
                     "training_step must return a loss tensor that requires grad (or a dict with 'loss') under "
                     f"pipeline parallelism, got {type(result).__name__}"
                 )
-            root = loss * (step.weights[key[0]] * step.loss_scale)
+            root = loss * (self._loss_shares(step)[key[0]] * step.loss_scale)
             roots, root_grads = (root,), (torch.ones_like(root),)
             step.results[key[0]] = loss.detach()  # the graph's nodes would keep tensors alive until the step ends
             if isinstance(result, dict) and len(result) > 1:  # on_train_batch_end sees them, as on one device
@@ -530,23 +586,39 @@ class PipelineEngine:
         if self.meter and nbytes:
             self.meter.add(-nbytes)
 
+    def _loss_shares(self, step: _Step) -> list[float]:
+        """Each micro-batch's weight in the batch's loss: its share of the targets where the loss is learnt to
+        be a cross-entropy mean over targets of the batch (``targets``), else of the samples. Asked on the
+        last stage only, after its first forward of the step (which learns it if the setup could not)."""
+        if step.loss_shares is None:
+            learnt = self.targets.get(step.name)
+            step.loss_shares = (learnt.shares(step.micro) if isinstance(learnt, TargetCount) else None) or step.shares
+        return step.loss_shares
+
     def _finish(self, step: _Step, sizes: list[int]) -> Any:
         """Broadcast the last stage's loss (or outputs) and log records; replay the logs everywhere.
 
         Training returns the batch's loss, or ``{"loss": ..., **extras}`` where ``training_step``
         returned more keys; evaluation returns the step's outputs merged over the micro-batches
-        (``microbatch.merge_outputs``: what one call on the whole batch would have returned).
+        (``microbatch.merge_outputs``: what one call on the whole batch would have returned). The loss,
+        and the logged values learnt to be the loss, combine with the loss's shares; other logged means
+        with the samples' shares.
         """
         mesh, results, training = self.mesh, step.results, step.training
         payload: Any = None
         holder = self.plan.rank_of_stage(self.plan.num_stages - 1)  # the rank of the last stage
         if mesh.pp_rank == holder:
-            records = self.capture.records()
+            learnt = self.targets.get(step.name)
+            as_loss = learnt.logged if isinstance(learnt, TargetCount) else frozenset()
+            loss_shares = self._loss_shares(step)
+            records = self.capture.records(lambda name, mb: (loss_shares if name in as_loss else step.shares)[mb])
             extras = None
             if training:
-                # at least float32 (a bf16 loss is summed in float32), float64 under ``64-true``
-                value = sum(w * results[mb].to(torch.promote_types(results[mb].dtype, torch.float32)).cpu()
-                            for mb, w in enumerate(step.weights))
+                # at least float32 (a bf16 loss is summed in float32), float64 under ``64-true``, in one copy to
+                # the host; a micro-batch without targets (its mean is NaN) takes no part, as on one device
+                losses = torch.stack([results[mb] for mb in range(len(loss_shares))])
+                losses = losses.to(torch.promote_types(losses.dtype, torch.float32)).cpu()
+                value = sum(w * losses[mb] for mb, w in enumerate(loss_shares) if w)
                 if len(step.extras) == len(results):
                     extras = tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v,
                                       merge_outputs([step.extras[mb] for mb in sorted(step.extras)], sizes))

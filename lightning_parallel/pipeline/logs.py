@@ -6,14 +6,15 @@ inside the schedule would deadlock against stages waiting on point-to-point mess
 the engine broadcasts the records of the last stage and every rank replays them, in the same
 order, through the real ``self.log``. Values of one key are combined over micro-batches as the
 call's ``reduce_fx`` says, so a step's value equals the full batch's: the mean (the default) with
-the micro-batch weights, ``"sum"`` summed, ``"max"`` / ``"min"`` the largest / smallest, any other
-callable applied to the stacked values.
+the micro-batch weights the engine gives per key (the loss's shares of the targets for the loss,
+shares of the samples for the rest, see ``targets``), ``"sum"`` summed, ``"max"`` / ``"min"`` the
+largest / smallest, any other callable applied to the stacked values.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -33,12 +34,13 @@ def _check(name: str, value: Any) -> None:
 
 
 class LogCapture:
-    """Records ``module.log`` calls made inside ``recording()``; ``weight`` is the current micro-batch's."""
+    """Records ``module.log`` calls made inside ``recording()``, each with ``microbatch``, the index of the
+    micro-batch whose step is running."""
 
     def __init__(self, module: nn.Module):
         self.module = module
-        self.weight = 1.0
-        self._calls: dict[str, tuple[dict, list[tuple[float, Any]]]] = {}
+        self.microbatch = 0
+        self._calls: dict[str, tuple[dict, list[tuple[int, Any]]]] = {}
 
     def _record(self, name: str, value: Any, **kwargs) -> None:
         _check(name, value)
@@ -46,7 +48,7 @@ class LogCapture:
             # stays on the device: ``records`` moves all of a step's values to the host in one copy
             value = value.detach()
             value = value.to(torch.promote_types(value.dtype, torch.float32))  # float64 stays float64
-        self._calls.setdefault(name, (kwargs, []))[1].append((self.weight, value))
+        self._calls.setdefault(name, (kwargs, []))[1].append((self.microbatch, value))
 
     @contextmanager
     def recording(self) -> Iterator["LogCapture"]:
@@ -58,22 +60,34 @@ class LogCapture:
             del self.module.log
 
     @contextmanager
-    def suppressed(self) -> Iterator[None]:
-        """``self.log`` checks its value and records nothing: for the setup trace, whose step is no real one."""
-        self.module.log = lambda name, value, **kwargs: _check(name, value)
+    def suppressed(self) -> Iterator[list[tuple[str, Any]]]:
+        """``self.log`` checks its value and logs nothing: for the setup trace, whose step is no real one.
+        Yields the list of ``(name, value)`` pairs the step logged."""
+        logged: list[tuple[str, Any]] = []
+
+        def log(name: str, value: Any, **kwargs: Any) -> None:
+            _check(name, value)
+            logged.append((name, value))
+
+        self.module.log = log
         try:
-            yield
+            yield logged
         finally:
             del self.module.log
 
-    def records(self) -> list[Record]:
-        """One record per key: its values over the micro-batches that logged it, combined by ``reduce_fx``.
+    def logged(self, microbatch: int) -> list[tuple[str, Any]]:
+        """The ``(name, value)`` pairs recorded so far for ``microbatch``."""
+        return [(name, value) for name, (_, values) in self._calls.items() for mb, value in values if mb == microbatch]
+
+    def records(self, weight: Callable[[str, int], float] = lambda name, microbatch: 1.0) -> list[Record]:
+        """One record per key: its values over the micro-batches that logged it, combined by ``reduce_fx``,
+        a mean with ``weight(name, microbatch)``.
 
         Tensor values are combined where they are and reach the host together, one copy per dtype
         (a host copy from a GPU waits for the queued kernels; one per logged value would wait each time).
         """
-        return _on_host([(name, combine(values, kwargs.get("reduce_fx", "mean")), kwargs)
-                         for name, (kwargs, values) in self._calls.items()])
+        return _on_host([(name, combine([(weight(name, mb), v) for mb, v in values], kwargs.get("reduce_fx", "mean")),
+                          kwargs) for name, (kwargs, values) in self._calls.items()])
 
 
 def combine(values: list[tuple[float, Any]], reduce_fx: Any) -> Any:
@@ -81,6 +95,8 @@ def combine(values: list[tuple[float, Any]], reduce_fx: Any) -> Any:
     reduce them (``reduce_fx`` of ``self.log``: "mean", "sum", "max", "min" or a callable)."""
     kind = _REDUCTIONS.get(reduce_fx, reduce_fx)
     if kind == "mean":
+        # a micro-batch of weight 0 (no targets) may have logged NaN: it takes no part, as on one device
+        values = [(w, v) for w, v in values if w] or [(1.0, v) for _, v in values]
         return sum(w * v for w, v in values) / sum(w for w, _ in values)
     if kind == "sum":
         return sum(v for _, v in values)

@@ -78,8 +78,8 @@ def split_batch(batch: Any, micro_batches: int) -> tuple[list[Any], list[float]]
     (as ``torch.tensor_split``: 17 into 4 gives 5, 4, 4, 4). Weighting each micro-batch's mean loss
     by its share of samples makes the sum equal the full batch's mean loss, as one device computes
     it, whenever the loss is a mean over samples that each count alike (the same number of tokens in
-    each). A loss averaged over a varying number of tokens per micro-batch (padding, ignored labels)
-    becomes the sample-weighted mean of micro-batch means, as with gradient accumulation.
+    each). For a loss averaged over a varying number of tokens per micro-batch (padding, ignored
+    labels) the engine weights by the targets instead where it can count them (``targets``).
     """
     size = batch_size(batch)
     if size == 0:

@@ -16,8 +16,9 @@ dp2    3      Lightning's 2 (below) + the gradient buckets' flags, one ``tolist`
 tp2    2      Lightning's 2
 pp2    5 / 7  Lightning's 2 + the tied embedding's has-a-gradient flag (1 tied parameter) + the
               end-of-step broadcast: its length prefix, and on stages other than the last its body;
-              on the last stage instead its loss (one copy per micro-batch, 2) and its logged values
-              (one copy for all of them, however many keys and micro-batches)
+              on the last stage instead its loss and its logged values (one copy each, however many
+              keys and micro-batches) and, at the start of the step, the number of the loss's
+              targets in each micro-batch (one copy for all micro-batches, ``pipeline/targets.py``)
 =====  =====  =====================================================================================
 
 Lightning's own two per step: the SIGTERM flag it broadcasts and reads before every batch of a
