@@ -13,8 +13,10 @@ torch utility that walks a module's parameters works.
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
-from typing import Any, Generator, Optional
+from pathlib import Path
+from typing import Any, Callable, Generator, Optional
 
 import torch
 from lightning.fabric.utilities.distributed import (  # noqa: F401 - re-exported
@@ -44,6 +46,49 @@ OVERRIDDEN = {
         "_collect_rank_zero_results", "_recover_results_in_main_process", "_already_fit", "_strategy",
     ),
 }
+
+
+#: Where Lightning binds its checkpoint reader ``cloud_io._load`` (``pl_load``): ``load_from_checkpoint``
+#: reads through ``core/saving.py``, a Trainer's ``ckpt_path`` through ``TorchCheckpointIO``.
+CHECKPOINT_READERS = (
+    ("lightning.fabric.utilities.cloud_io", "_load"),
+    ("lightning.pytorch.core.saving", "pl_load"),
+    ("lightning.fabric.plugins.io.torch_io", "pl_load"),
+)
+
+
+def read_checkpoint_directories(load_directory: Callable[[Path, Any, Optional[bool]], Optional[dict]]) -> None:
+    """Make Lightning's checkpoint reader try ``load_directory(path, map_location, weights_only)`` first
+    on a local directory, and read as before where it returns None (anything else). Idempotent."""
+    import importlib
+
+    for module_name, attribute in CHECKPOINT_READERS:
+        module = importlib.import_module(module_name)
+        original = getattr(module, attribute)
+        if getattr(original, "_lp_reads_directories", False):
+            continue
+
+        @functools.wraps(original)
+        def load(path_or_url: Any, map_location: Any = None, weights_only: Optional[bool] = None,
+                 _original: Callable = original) -> Any:
+            if isinstance(path_or_url, (str, Path)) and "://" not in str(path_or_url) and Path(path_or_url).is_dir():
+                loaded = load_directory(Path(path_or_url), map_location, weights_only)
+                if loaded is not None:
+                    return loaded
+            return _original(path_or_url, map_location=map_location, weights_only=weights_only)
+
+        load._lp_reads_directories = True  # type: ignore[attr-defined]
+        setattr(module, attribute, load)
+
+
+def hf_save_steps() -> tuple[Callable, Callable]:
+    """transformers' own steps of ``PreTrainedModel.save_pretrained`` that ``lp-export`` repeats on the meta
+    device: ``remove_tied_weights_from_state_dict(state_dict, model)`` and
+    ``revert_weight_conversion(model, state_dict)`` (module functions without a documented API)."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    return remove_tied_weights_from_state_dict, revert_weight_conversion
 
 
 def set_skip_backward(trainer: Any, skip: bool) -> None:
