@@ -2,10 +2,13 @@
 
 Lightning offers no public hook for what a strategy needs to do here (take over backward for the
 pipeline, return a split model's weights from worker processes, broadcast module states), so the
-plugin uses a few ``_``-prefixed names, as Lightning's own strategies and NeMo do. The rest of the
-package imports them from this module only, and ``tests/test_compat.py`` checks that each still
-exists, so a Lightning or torch release that moves one fails that test by name instead of
-misbehaving at run time. Tested with lightning 2.6.6 and torch 2.13, hence the dependency
+plugin uses a few ``_``-prefixed names, as Lightning's own strategies and NeMo do. Nor does it
+offer one to read a checkpoint directory where it reads files: the plugin rebinds Lightning's
+private reader ``_load`` where Lightning binds it (``CHECKPOINT_READERS``). ``lp-export`` repeats
+two undocumented steps of transformers' ``save_pretrained`` (``hf_save_steps``). The rest of the
+package imports them from this module only, and ``tests/strategy/test_compat.py`` checks that each
+still exists, so a Lightning, torch or transformers release that moves one fails that test by name
+instead of misbehaving at run time. Tested with lightning 2.6.6 and torch 2.13, hence the dependency
 ``lightning>=2.6,<2.7``. torch's ``nn.Module._parameters``, which ``init.py`` reads and writes to
 materialise each module's own parameters, is the one private name used in place: it is how every
 torch utility that walks a module's parameters works.
@@ -37,7 +40,7 @@ from torch.distributed.utils import _sync_module_states as _sync_module_states_o
 from torch.utils._pytree import tree_flatten, tree_map  # noqa: F401 - re-exported
 
 #: Lightning hooks and attributes the plugin overrides or reads on classes it subclasses;
-#: checked by ``tests/test_compat.py``.
+#: checked by ``tests/strategy/test_compat.py``.
 OVERRIDDEN = {
     "lightning.pytorch.strategies.Strategy": ("_configure_launcher", "_launcher", "_lightning_module"),
     "lightning.pytorch.strategies.ParallelStrategy": ("_layer_sync",),
