@@ -97,8 +97,8 @@ def main() -> None:
         for name, code in runs.items():
             started = time.time()
             extra = peak_bytes(code) - base
-            print(f"{name}: peak +{extra / 1e6:.0f} MB over the imports "
-                  f"({extra / largest:.1f} x largest tensor, {extra / total:.2f} x model), {time.time() - started:.0f} s")
+            print(f"{name}: peak +{extra / 1e6:.0f} MB over the imports ({extra / largest:.1f} x largest tensor, "
+                  f"{extra / total:.2f} x model), {time.time() - started:.0f} s")
 
 
 if __name__ == "__main__":

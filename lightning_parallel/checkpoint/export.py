@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from lightning_parallel.checkpoint.hf_models import RECORD_KEY, HFModel
-from lightning_parallel.checkpoint.safetensors_file import Spec, tensor_bytes, write_safetensors
+from lightning_parallel.checkpoint.safetensors_file import Spec, write_safetensors
 from lightning_parallel.checkpoint.tensors import CheckpointTensors
 from lightning_parallel.compat import hf_save_steps
 from lightning_parallel.errors import CheckpointError
@@ -145,7 +145,8 @@ def merged_source(hf: HFModel, tensors: CheckpointTensors) -> tuple[Any, Source]
     peft = hf.meta_peft_model()
     unmerged = copy.deepcopy(peft)
     source = checkpoint_source(unmerged, tensors, hf.peft_prefix)
-    layers = {name + ".base_layer.": module for name, module in unmerged.named_modules() if isinstance(module, LoraLayer)}
+    layers = {name + ".base_layer.": module for name, module in unmerged.named_modules()
+              if isinstance(module, LoraLayer)}
     first_name = {t_id: names[0] for t_id, names in _names_by_object(peft).items()}
     merged = peft.merge_and_unload()
     origin = {n: first_name[t_id] for t_id, names in _names_by_object(merged).items() for n in names}
@@ -256,7 +257,8 @@ def choose_model(tensors: CheckpointTensors, module: Optional[str], config: Opti
                           "pick one with --module NAME")
     name = module if module is not None else next(iter(record))
     if name not in record:
-        raise ExportError(f"--module {name}: the module holds no Hugging Face model there; it holds: {', '.join(record)}")
+        raise ExportError(f"--module {name}: the module holds no Hugging Face model there; "
+                          f"it holds: {', '.join(record)}")
     note = " (--config is not needed: the checkpoint records the model)" if config is not None else ""
     return HFModel.from_record(name, record[name]), f"recorded in the checkpoint{note}"
 

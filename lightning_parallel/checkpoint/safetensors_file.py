@@ -54,5 +54,6 @@ def write_safetensors(path: Path, specs: dict[str, Spec], produce: Callable[[str
         for name, (shape, dtype) in specs.items():
             tensor = produce(name)
             if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
-                raise ValueError(f"{name}: produced {tuple(tensor.shape)} {tensor.dtype}, expected {tuple(shape)} {dtype}")
+                raise ValueError(f"{name}: produced {tuple(tensor.shape)} {tensor.dtype}, "
+                                 f"expected {tuple(shape)} {dtype}")
             f.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())

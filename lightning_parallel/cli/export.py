@@ -13,8 +13,7 @@ import argparse
 from pathlib import Path
 from typing import Optional
 
-from lightning_parallel.checkpoint.atomic import IncompleteCheckpointError
-from lightning_parallel.checkpoint.export import ExportError, export
+from lightning_parallel.checkpoint.export import export
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -35,7 +34,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     try:
         message = export(args.checkpoint, args.output, module=args.module, config=args.config, merge=args.merge,
                          max_shard_size=args.max_shard_size)
-    except (ExportError, IncompleteCheckpointError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError) as err:  # ExportError, a bad --config; IncompleteCheckpointError
         parser.exit(2, f"lp-export: {err}\n")
     print(message)
 

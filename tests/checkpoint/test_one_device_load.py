@@ -73,7 +73,8 @@ def test_one_device_trainer_tests_and_predicts_from_a_split_directory(tp2pp2_che
     metrics = [one_device().test(model, held_out(), ckpt_path=path, verbose=False) for path in
                (tp2pp2_checkpoint, consolidated)]
     assert metrics[0] == metrics[1]
-    predictions = [one_device().predict(model, held_out(), ckpt_path=path) for path in (tp2pp2_checkpoint, consolidated)]
+    predictions = [one_device().predict(model, held_out(), ckpt_path=path)
+                   for path in (tp2pp2_checkpoint, consolidated)]
     assert torch.equal(predictions[0][0], predictions[1][0])
 
 
@@ -96,5 +97,5 @@ def test_other_directories_are_read_by_lightning_as_before(tmp_path):
 def test_reader_is_extended_when_lightning_is_imported_after_the_package():
     code = ("import lightning_parallel, sys; assert 'lightning.pytorch' not in sys.modules; "
             "import lightning.pytorch.core.saving as saving; print(saving.pl_load._lp_reads_directories)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert result.stdout.strip() == "True", result.stderr

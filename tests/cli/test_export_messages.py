@@ -86,7 +86,8 @@ def test_merge_refuses_a_model_without_adapters_and_adapters_other_than_lora(tmp
 
     plain = saved(tmp_path / "plain.ckpt", nn.ModuleDict({"model": llama(False)}))
     assert "has no PEFT adapters to merge" in refusal(capsys, plain, tmp_path / "out", "--merge")
-    ia3 = get_peft_model(llama(False), IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]))
+    ia3 = get_peft_model(llama(False), IA3Config(target_modules=["k_proj", "down_proj"],
+                                                 feedforward_modules=["down_proj"]))
     adapted = saved(tmp_path / "ia3.ckpt", nn.ModuleDict({"model": ia3}))
     assert "--merge folds LoRA adapters only" in refusal(capsys, adapted, tmp_path / "out", "--merge")
     main([str(adapted), str(tmp_path / "adapter")])  # the adapter folder is written by PEFT itself
