@@ -32,12 +32,11 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 from lightning_parallel.checkpoint.hf_models import RECORD_KEY, HFModel
 from lightning_parallel.checkpoint.safetensors_file import Spec, write_safetensors
 from lightning_parallel.checkpoint.tensors import CheckpointTensors
-from lightning_parallel.compat import hf_save_steps
+from lightning_parallel.compat import hf_save_steps, tree_flatten
 from lightning_parallel.errors import CheckpointError
 
 
@@ -83,7 +82,9 @@ def _groups(traced: dict[str, tuple[Spec, frozenset[str]]]) -> dict[str, frozens
             x = parent[x]
         return x
 
-    for _, sources in traced.values():
+    for name, (_, sources) in traced.items():
+        if not sources:
+            raise ExportError(f"{name}: transformers' save steps made it from no tensor of the checkpoint")
         first, *rest = sorted(sources)
         for other in rest:
             parent[root(other)] = root(first)

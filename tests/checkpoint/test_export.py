@@ -223,3 +223,21 @@ def test_one_device_checkpoint_without_record_exports_with_config_folder(tmp_pat
                                                                                            tmp_path / "reference"))
     assert len(set(got["weight_map"].values())) > 1
     assert got["metadata"] == expected["metadata"] and got["weight_map"].keys() == expected["weight_map"].keys()
+
+
+def test_streamed_safetensors_file_holds_what_the_library_would_write(tmp_path):
+    from safetensors.torch import load_file
+
+    from lightning_parallel.checkpoint.safetensors_file import write_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(3, 5, generator=g).to(torch.bfloat16), "scalar": torch.tensor(2.5),
+               "mask": torch.rand(7, generator=g) > 0.5, "ids": torch.arange(6, dtype=torch.int64).view(2, 3),
+               "empty": torch.zeros(0, 4), "t": torch.randn(4, 6, generator=g).t()}  # a non-contiguous view
+    produced = []
+    write_safetensors(tmp_path / "x.safetensors", {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()},
+                      lambda name: produced.append(name) or tensors[name], {"format": "pt"})
+    assert produced == list(tensors)  # each asked for once, in order
+    assert_equal_states(load_file(tmp_path / "x.safetensors"), tensors)
+    with safe_open(tmp_path / "x.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}
