@@ -4,9 +4,11 @@
     trainer = Trainer(devices=8, strategy=ParallelStrategy(tensor_parallel=2, pipeline_parallel=2))
 
 The strategy names ``lp_dp``, ``lp_tp``, ``lp_pp`` and ``lp_3d`` are registered with Lightning, so
-``Trainer(strategy="lp_dp")`` works too. Importing this package is cheap: the names below are
-imported on first use, and Lightning (several seconds to import) is only touched once something
-imports it; the strategy names are registered at that moment (or at once, if it already is).
+``Trainer(strategy="lp_dp")`` works too, and a sharded checkpoint directory loads on one device
+(``MyModule.load_from_checkpoint(dir)``, ``Trainer(...).fit(ckpt_path=dir)``) as its consolidated
+file would. Importing this package is cheap: the names below are imported on first use, and
+Lightning (several seconds to import) is only touched once something imports it; the strategy names
+are registered and the checkpoint reader extended at that moment (or at once, if it already is).
 """
 
 from __future__ import annotations
@@ -62,8 +64,23 @@ def _register_strategy_names() -> None:
             StrategyRegistry.register(name, _strategy_factory(class_name), description=description)
 
 
+def _load_directory(path, map_location, weights_only):
+    """``checkpoint.consolidate.load_directory``, imported when Lightning first reads a directory."""
+    from lightning_parallel.checkpoint.consolidate import load_directory
+
+    return load_directory(path, map_location, weights_only)
+
+
+def _extend_lightning() -> None:
+    """Register the strategy names; let Lightning's checkpoint reader load sharded directories."""
+    from lightning_parallel.compat import read_checkpoint_directories
+
+    _register_strategy_names()
+    read_checkpoint_directories(_load_directory)
+
+
 class _RegisterAfterLightning(importlib.abc.MetaPathFinder):
-    """Registers the strategy names right after ``lightning.pytorch`` finishes importing.
+    """Extends Lightning (``_extend_lightning``) right after ``lightning.pytorch`` finishes importing.
 
     A post-import hook: it finds the module with the normal finders and wraps its loader's
     ``exec_module``, so the names exist before any ``Trainer`` can read the registry.
@@ -80,13 +97,13 @@ class _RegisterAfterLightning(importlib.abc.MetaPathFinder):
 
         def load_then_register(module) -> None:
             load(module)
-            _register_strategy_names()
+            _extend_lightning()
 
         spec.loader.exec_module = load_then_register
         return spec
 
 
 if "lightning.pytorch" in sys.modules:
-    _register_strategy_names()
+    _extend_lightning()
 elif not any(isinstance(f, _RegisterAfterLightning) for f in sys.meta_path):
     sys.meta_path.insert(0, _RegisterAfterLightning())

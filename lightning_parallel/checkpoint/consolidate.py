@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_parallel.checkpoint import dcp
-from lightning_parallel.checkpoint.atomic import IncompleteCheckpointError
+from lightning_parallel.checkpoint.atomic import MARKER, IncompleteCheckpointError
 from lightning_parallel.checkpoint.format import (
     Piece,
     full_optimizer_state,
@@ -36,23 +37,24 @@ from lightning_parallel.checkpoint.io import (
 )
 
 
-def consolidate(path: Path) -> dict[str, Any]:
+def consolidate(path: Path, weights_only: Optional[bool] = None) -> dict[str, Any]:
     """The plain Lightning checkpoint equivalent to the sharded checkpoint at ``path``.
 
     Raises ``IncompleteCheckpointError`` for a directory whose save did not finish, and
-    ``ValueError`` for anything else that is not a sharded checkpoint directory.
+    ``ValueError`` for anything else that is not a sharded checkpoint directory. ``weights_only``
+    is ``torch.load``'s, for Lightning's part of the checkpoint (loops, hyper-parameters).
     """
     if path.is_file():
         raise ValueError(f"{path} is a plain checkpoint file, already consolidated: load it as it is, e.g. "
                          f"MyModule.load_from_checkpoint({str(path)!r}) or Trainer(...).fit(ckpt_path={str(path)!r})")
-    path = checkpoint_to_read(path)
+    path = checkpoint_to_read(path, weights_only)
     if not is_sharded_checkpoint(path):
         found = "does not exist" if not path.exists() else f"is a directory without {META_FILE}"
         raise ValueError(f"{path} {found}: give a sharded checkpoint directory, as ModelCheckpoint or "
                          "Trainer.save_checkpoint write them with a split model")
     if dcp.is_dcp_checkpoint(path):
-        return _consolidate_dcp(path)
-    meta, pieces = read_checkpoint(path)
+        return _consolidate_dcp(path, weights_only)
+    meta, pieces = read_checkpoint(path, weights_only)
     names = list(dict.fromkeys(n for p in pieces for n in p.tensors))
     checkpoint = {k: v for k, v in meta.items() if k != "lightning_parallel"}
     checkpoint["state_dict"] = {n: full_tensor(n, pieces).clone() for n in names}
@@ -69,9 +71,9 @@ def consolidate(path: Path) -> dict[str, Any]:
     return checkpoint
 
 
-def _consolidate_dcp(path: Path) -> dict[str, Any]:
+def _consolidate_dcp(path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
     """``consolidate`` for a checkpoint in DCP format: every tensor read whole, in one process."""
-    meta = torch.load(path / META_FILE, map_location="cpu")
+    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=weights_only)
     metadata = dcp.read_metadata(path)
     targets = {fqn: dcp.local_target(metadata, fqn, None, 0, 1) for fqn, md in metadata.state_dict_metadata.items()
                if isinstance(md, TensorStorageMetadata)}
@@ -96,6 +98,19 @@ def _consolidate_dcp(path: Path) -> dict[str, Any]:
         for group, group_params in zip(plain["param_groups"], group_names, strict=True):
             group["param_names"] = group_params
         checkpoint["optimizer_states"].append(plain)
+    return checkpoint
+
+
+def load_directory(path: Path, map_location: Any = None, weights_only: Optional[bool] = None) -> Optional[dict]:
+    """A sharded checkpoint directory written by ``ParallelStrategy``, consolidated, as Lightning's own
+    reader returns a ``.ckpt`` file (``compat.read_checkpoint_directories`` makes Lightning call this);
+    None for any other directory. Tensors are on the CPU, or on ``map_location`` when it names a device.
+    """
+    if not (path / MARKER).is_file() and not any(path.glob("pp*-tp*.pt")):
+        return None  # not ours (Lightning's FSDP writes directories too): Lightning reads it as before
+    checkpoint = consolidate(path, weights_only)
+    if isinstance(map_location, (str, torch.device)):
+        checkpoint = move_data_to_device(checkpoint, map_location)
     return checkpoint
 
 

@@ -220,11 +220,13 @@ def checkpoint_to_read(path: Path, weights_only: Optional[bool] = None) -> Path:
     return folder_to_read(path, unconfirmed)
 
 
-def read_checkpoint(path: Path, weights_only: Optional[bool] = None) -> tuple[dict[str, Any], list[Piece]]:
+def read_checkpoint(path: Path, weights_only: Optional[bool] = None,
+                    mmap: bool = False) -> tuple[dict[str, Any], list[Piece]]:
     """The Lightning metadata and the pieces of a directory in the format before DCP, or of a plain
     checkpoint file.
 
-    Shard files are memory-mapped, so a rank only reads the bytes of the tensors it needs.
+    Shard files are memory-mapped, so a rank only reads the bytes of the tensors it needs; a plain
+    file too with ``mmap``.
     """
     path = checkpoint_to_read(path, weights_only)
     if is_sharded_checkpoint(path):
@@ -243,7 +245,7 @@ def read_checkpoint(path: Path, weights_only: Optional[bool] = None) -> tuple[di
         return meta, pieces
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}: expected a sharded checkpoint directory or a .ckpt file")
-    plain = torch.load(path, map_location="cpu", weights_only=weights_only)
+    plain = torch.load(path, map_location="cpu", weights_only=weights_only, mmap=mmap)
     meta = {k: v for k, v in plain.items() if k not in ("state_dict", "optimizer_states")}
     tensors = plain["state_dict"]
     piece = Piece(0, 1, tensors, {n: (tuple(t.shape), None) for n, t in tensors.items()})

@@ -43,6 +43,8 @@ from torch.optim import Optimizer
 
 from lightning_parallel.checkpoint import load_sharded, save_sharded
 from lightning_parallel.checkpoint.atomic import remove_checkpoint_dir, save_file
+from lightning_parallel.checkpoint.hf_models import RECORD_KEY as HF_RECORD_KEY
+from lightning_parallel.checkpoint.hf_models import describe as describe_hf_models
 from lightning_parallel.checks.launch import validate_launch
 from lightning_parallel.compat import (
     _distributed_is_initialized,
@@ -403,6 +405,8 @@ class ParallelStrategy(_LightningParallelStrategy):
         return True
 
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
+        # what lp-export needs to write the module's Hugging Face models from this checkpoint alone
+        checkpoint = {**checkpoint, HF_RECORD_KEY: describe_hf_models(self.lightning_module)}
         if not self.is_model_split:
             local = type(self.checkpoint_io) is TorchCheckpointIO and "://" not in str(filepath)
             if not local or storage_options is not None:

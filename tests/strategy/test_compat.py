@@ -139,3 +139,25 @@ def test_fake_backend_plays_one_rank_of_a_large_world_and_new_group_calls_are_co
         dist.all_reduce(torch.ones(1), group=mine)  # returns without communicating
     finally:
         dist.destroy_process_group()
+
+
+def test_lightning_checkpoint_readers_exist_with_their_signature_and_are_extended_once():
+    readers = [getattr(importlib.import_module(module), name) for module, name in compat.CHECKPOINT_READERS]
+    assert all(reader._lp_reads_directories for reader in readers)  # lightning_parallel is imported
+    original = readers[0].__wrapped__
+    assert all(reader.__wrapped__ is original for reader in readers)  # one function, bound under three names
+    assert list(inspect.signature(original).parameters) == ["path_or_url", "map_location", "weights_only"]
+    compat.read_checkpoint_directories(lambda *args: None)
+    assert [getattr(importlib.import_module(m), n) for m, n in compat.CHECKPOINT_READERS] == readers
+
+
+def test_transformers_save_steps_exist_and_drop_a_tied_head():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    remove_tied_weights, revert_weight_conversion = compat.hf_save_steps()
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                             num_attention_heads=2, vocab_size=16, tie_word_embeddings=True))
+    kept = remove_tied_weights(model.state_dict(), model)
+    assert "lm_head.weight" not in kept and "model.embed_tokens.weight" in kept
+    assert list(revert_weight_conversion(model, kept)) == list(kept)  # nothing to revert for Llama
