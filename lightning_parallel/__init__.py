@@ -18,6 +18,8 @@ import importlib.abc
 import importlib.util
 import sys
 
+from lightning_parallel.lightning_hooks import extend_lightning
+
 _EXPORTS = {
     "DataParallelStrategy": "lightning_parallel.strategy",
     "ParallelStrategy": "lightning_parallel.strategy",
@@ -38,49 +40,8 @@ def __getattr__(name: str):
     return value
 
 
-# registered name -> (class in lightning_parallel.strategy, description)
-_STRATEGY_NAMES = {
-    "lp_dp": ("DataParallelStrategy", "data parallelism with bucketed, overlapped all-reduce"),
-    "lp_tp": ("TensorParallelStrategy", "Megatron-style tensor parallelism over all devices"),
-    "lp_pp": ("PipelineParallelStrategy", "pipeline parallelism (1F1B) over all devices"),
-    "lp_3d": ("ParallelStrategy", "data x tensor x pipeline parallelism"),
-}
-
-
-def _strategy_factory(class_name: str):
-    """Builds the strategy on first use, so registering imports nothing of ours."""
-
-    def build(**kwargs):
-        return getattr(importlib.import_module("lightning_parallel.strategy"), class_name)(**kwargs)
-
-    return build
-
-
-def _register_strategy_names() -> None:
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    for name, (class_name, description) in _STRATEGY_NAMES.items():
-        if name not in StrategyRegistry:
-            StrategyRegistry.register(name, _strategy_factory(class_name), description=description)
-
-
-def _load_directory(path, map_location, weights_only):
-    """``checkpoint.consolidate.load_directory``, imported when Lightning first reads a directory."""
-    from lightning_parallel.checkpoint.consolidate import load_directory
-
-    return load_directory(path, map_location, weights_only)
-
-
-def _extend_lightning() -> None:
-    """Register the strategy names; let Lightning's checkpoint reader load sharded directories."""
-    from lightning_parallel.compat import read_checkpoint_directories
-
-    _register_strategy_names()
-    read_checkpoint_directories(_load_directory)
-
-
 class _RegisterAfterLightning(importlib.abc.MetaPathFinder):
-    """Extends Lightning (``_extend_lightning``) right after ``lightning.pytorch`` finishes importing.
+    """Extends Lightning (``lightning_hooks.extend_lightning``) right after ``lightning.pytorch`` finishes importing.
 
     A post-import hook: it finds the module with the normal finders and wraps its loader's
     ``exec_module``, so the names exist before any ``Trainer`` can read the registry.
@@ -97,13 +58,13 @@ class _RegisterAfterLightning(importlib.abc.MetaPathFinder):
 
         def load_then_register(module) -> None:
             load(module)
-            _extend_lightning()
+            extend_lightning()
 
         spec.loader.exec_module = load_then_register
         return spec
 
 
 if "lightning.pytorch" in sys.modules:
-    _extend_lightning()
+    extend_lightning()
 elif not any(isinstance(f, _RegisterAfterLightning) for f in sys.meta_path):
     sys.meta_path.insert(0, _RegisterAfterLightning())

@@ -2,9 +2,8 @@
 
 Lightning offers no public hook for what a strategy needs to do here (take over backward for the
 pipeline, return a split model's weights from worker processes, broadcast module states), so the
-plugin uses a few ``_``-prefixed names, as Lightning's own strategies and NeMo do. Nor does it
-offer one to read a checkpoint directory where it reads files: the plugin rebinds Lightning's
-private reader ``_load`` where Lightning binds it (``CHECKPOINT_READERS``). ``lp-export`` repeats
+plugin uses a few ``_``-prefixed names, as Lightning's own strategies and NeMo do (and rebinds
+Lightning's private checkpoint reader: ``lightning_hooks.CHECKPOINT_READERS``). ``lp-export`` repeats
 two undocumented steps of transformers' ``save_pretrained`` (``hf_save_steps``). The rest of the
 package imports them from this module only, and ``tests/strategy/test_compat.py`` checks that each
 still exists, so a Lightning, torch or transformers release that moves one fails that test by name
@@ -16,9 +15,7 @@ torch utility that walks a module's parameters works.
 
 from __future__ import annotations
 
-import functools
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Callable, Generator, Optional
 
 import torch
@@ -49,39 +46,6 @@ OVERRIDDEN = {
         "_collect_rank_zero_results", "_recover_results_in_main_process", "_already_fit", "_strategy",
     ),
 }
-
-
-#: Where Lightning binds its checkpoint reader ``cloud_io._load`` (``pl_load``): ``load_from_checkpoint``
-#: reads through ``core/saving.py``, a Trainer's ``ckpt_path`` through ``TorchCheckpointIO``.
-CHECKPOINT_READERS = (
-    ("lightning.fabric.utilities.cloud_io", "_load"),
-    ("lightning.pytorch.core.saving", "pl_load"),
-    ("lightning.fabric.plugins.io.torch_io", "pl_load"),
-)
-
-
-def read_checkpoint_directories(load_directory: Callable[[Path, Any, Optional[bool]], Optional[dict]]) -> None:
-    """Make Lightning's checkpoint reader try ``load_directory(path, map_location, weights_only)`` first
-    on a local directory, and read as before where it returns None (anything else). Idempotent."""
-    import importlib
-
-    for module_name, attribute in CHECKPOINT_READERS:
-        module = importlib.import_module(module_name)
-        original = getattr(module, attribute)
-        if getattr(original, "_lp_reads_directories", False):
-            continue
-
-        @functools.wraps(original)
-        def load(path_or_url: Any, map_location: Any = None, weights_only: Optional[bool] = None,
-                 _original: Callable = original) -> Any:
-            if isinstance(path_or_url, (str, Path)) and "://" not in str(path_or_url) and Path(path_or_url).is_dir():
-                loaded = load_directory(Path(path_or_url), map_location, weights_only)
-                if loaded is not None:
-                    return loaded
-            return _original(path_or_url, map_location=map_location, weights_only=weights_only)
-
-        load._lp_reads_directories = True  # type: ignore[attr-defined]
-        setattr(module, attribute, load)
 
 
 def hf_save_steps() -> tuple[Callable, Callable]:

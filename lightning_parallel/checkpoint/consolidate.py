@@ -103,7 +103,7 @@ def _consolidate_dcp(path: Path, weights_only: Optional[bool]) -> dict[str, Any]
 
 def load_directory(path: Path, map_location: Any = None, weights_only: Optional[bool] = None) -> Optional[dict]:
     """A sharded checkpoint directory written by ``ParallelStrategy``, consolidated, as Lightning's own
-    reader returns a ``.ckpt`` file (``compat.read_checkpoint_directories`` makes Lightning call this);
+    reader returns a ``.ckpt`` file (``lightning_hooks.read_checkpoint_directories`` makes Lightning call this);
     None for any other directory. Tensors are on the CPU, or on ``map_location`` when it names a device.
     """
     if not (path / MARKER).is_file() and not any(path.glob("pp*-tp*.pt")):

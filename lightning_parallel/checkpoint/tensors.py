@@ -15,7 +15,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_parallel.checkpoint import dcp
 from lightning_parallel.checkpoint.format import full_tensor
-from lightning_parallel.checkpoint.io import META_FILE, checkpoint_to_read, read_checkpoint
+from lightning_parallel.checkpoint.io import (
+    META_FILE,
+    checkpoint_to_read,
+    read_checkpoint,
+)
 
 Spec = tuple[tuple[int, ...], torch.dtype]
 

@@ -1,6 +1,6 @@
 """Back to one device: a checkpoint directory written at TP=2 x PP=2 loads where Lightning reads
 checkpoint files (``MyModule.load_from_checkpoint(dir)``, a one-device ``Trainer``'s ``ckpt_path``)
-exactly as its consolidated file does (``compat.read_checkpoint_directories``).
+exactly as its consolidated file does (``lightning_hooks.read_checkpoint_directories``).
 
 Both sides read the same consolidated tensors and run the same one-device arithmetic, so weights,
 metrics, predictions and the losses of a resumed fit are compared for exact equality.

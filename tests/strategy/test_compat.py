@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_parallel import compat
+from lightning_parallel import compat, lightning_hooks
 
 REEXPORTED = [
     "_distributed_is_initialized",
@@ -142,13 +142,13 @@ def test_fake_backend_plays_one_rank_of_a_large_world_and_new_group_calls_are_co
 
 
 def test_lightning_checkpoint_readers_exist_with_their_signature_and_are_extended_once():
-    readers = [getattr(importlib.import_module(module), name) for module, name in compat.CHECKPOINT_READERS]
+    readers = [getattr(importlib.import_module(module), name) for module, name in lightning_hooks.CHECKPOINT_READERS]
     assert all(reader._lp_reads_directories for reader in readers)  # lightning_parallel is imported
     original = readers[0].__wrapped__
     assert all(reader.__wrapped__ is original for reader in readers)  # one function, bound under three names
     assert list(inspect.signature(original).parameters) == ["path_or_url", "map_location", "weights_only"]
-    compat.read_checkpoint_directories(lambda *args: None)
-    assert [getattr(importlib.import_module(m), n) for m, n in compat.CHECKPOINT_READERS] == readers
+    lightning_hooks.read_checkpoint_directories(lambda *args: None)
+    assert [getattr(importlib.import_module(m), n) for m, n in lightning_hooks.CHECKPOINT_READERS] == readers
 
 
 def test_transformers_save_steps_exist_and_drop_a_tied_head():
