@@ -172,8 +172,9 @@ if not hasattr(nn.Parameter.__deepcopy__, "__wrapped__"):
 class _Recorder(TorchFunctionMode):
     """Records in-place calls on meta parameters (and their views) instead of running them on meta."""
 
-    def __init__(self) -> None:
+    def __init__(self, draws: bool = True) -> None:
         super().__init__()
+        self.draws = draws
         # id(tensor) -> (tensor, parameter, path): views and aliases of recorded parameters, and the
         # parameters themselves (path ()); the tensor is kept so an id is never reused meanwhile
         self.aliases: dict[int, tuple[Tensor, nn.Parameter, tuple]] = {}
@@ -255,14 +256,13 @@ class _Recorder(TorchFunctionMode):
             return target
         return func(*args, **kwargs)
 
-    @staticmethod
-    def _drawn(op: Op, target: Tensor, device: str) -> Op:
+    def _drawn(self, op: Op, target: Tensor, device: str) -> Op:
         """A random call is made on a scratch tensor of the target's shape, so the generator moves on as
         it would have in eager construction (the draws after it stay the same), and its state before is
         kept for the replay. Others are kept as they are, and so are random calls that eager construction
         would have made on the meta device (which draws nothing: Hugging Face builds a model on meta
         before loading it) or on an accelerator (replayed with the module's seed)."""
-        if _name(op.func) not in _RANDOM or device != "cpu":
+        if not self.draws or _name(op.func) not in _RANDOM or device != "cpu":
             return op
         generator = op.kwargs.get("generator")
         own = isinstance(generator, torch.Generator)
@@ -299,6 +299,21 @@ def _name(func: Callable) -> str:
     return getattr(func, "__name__", str(func))
 
 
+def unreplayable(model: nn.Module) -> dict[str, str]:
+    """Parameter name -> why its value cannot be given on the meta device (a construction that could not
+    be recorded, or nothing that sets it); empty when every parameter can be materialised."""
+    found = {}
+    for name, param in model.named_parameters():
+        history = history_of(param)
+        if history is None:
+            continue
+        if history.unknown is not None:
+            found[name] = history.unknown
+        elif history.initial is None and not history.ops:
+            found[name] = "nothing sets its value"
+    return found
+
+
 def _defer(param: nn.Parameter, source: Any) -> bool:
     """A parameter's value is ``source`` (read later, by ``materialize``), if it was made under our hooks."""
     history = history_of(param)
@@ -309,10 +324,11 @@ def _defer(param: nn.Parameter, source: Any) -> bool:
 
 
 @contextmanager
-def empty_parameters() -> Generator[None, None, None]:
+def empty_parameters(draws: bool = True) -> Generator[None, None, None]:
     """Inside, modules create their parameters on the meta device and every value construction gives
-    them is recorded (see the module docstring)."""
-    recorder = _Recorder()
+    them is recorded (see the module docstring). ``draws=False`` skips drawing the random numbers that
+    keep later draws as in eager construction (for a model built only to read its shapes)."""
+    recorder = _Recorder(draws)
     register = nn.Module.register_parameter
     new_parameter = nn.Parameter.__new__
 
