@@ -87,19 +87,23 @@ def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def broadcast_recorded_values(model: nn.Module) -> int:
-    """Rank 0's values, where ranks differ, for what construction computed on a meta-built model: the
-    values recorded for its parameters (``nn.Parameter(torch.randn(...))`` draws differently in each
-    process of a popen or torchrun launch) and its buffers. Values read from one file agree and stay.
-    One all-reduce of fingerprints, then a broadcast of only the tensors that differ; collective over
-    all ranks. Returns how many tensors were broadcast."""
-    histories = list({id(h): h for p in model.parameters() if (h := history_of(p)) is not None
-                      and isinstance(h.initial, torch.Tensor)}.values())
-    buffers = [b for b in model.buffers() if not b.is_meta]
-    tensors = [h.initial for h in histories] + buffers
-    if not tensors:
-        return 0
+    """Rank 0's construction, where ranks differ, for a meta-built model: the generator states its random
+    calls drew from (processes of a popen or torchrun launch draw alike only if the script seeds them
+    alike), the values recorded for its parameters (``nn.Parameter(torch.randn(...))``) and its
+    buffers. Values read from one file agree and stay. One broadcast of the generator states, one
+    all-reduce of fingerprints, then a broadcast of only the tensors that differ; collective over all
+    ranks. Returns how many tensors were broadcast."""
+    histories = list({id(h): h for p in model.parameters() if (h := history_of(p)) is not None}.values())
     group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-    prints = torch.stack([_fingerprint(t.cpu()) for t in tensors])
+    drawn = [op for h in histories for op in h.ops if op.rng is not None]
+    if drawn:
+        states = torch.stack([op.rng for op in drawn])
+        dist.broadcast(states, src=0, group=group)
+        for op, state in zip(drawn, states):
+            op.rng = state.clone()  # a generator takes a state that starts its own storage
+    values = [h for h in histories if isinstance(h.initial, torch.Tensor)]
+    tensors = [h.initial for h in values] + [b for b in model.buffers() if not b.is_meta]
+    prints = torch.stack([_fingerprint(t.cpu()) for t in tensors]) if tensors else torch.zeros(0, 3, dtype=torch.float64)
     highest, lowest = prints.clone(), prints.clone()
     dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
     dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=group)
@@ -107,8 +111,8 @@ def broadcast_recorded_values(model: nn.Module) -> int:
     for i in differ:
         value = tensors[i].detach().cpu().contiguous()
         dist.broadcast(value, src=0, group=group)
-        if i < len(histories):
-            histories[i].initial = value
+        if i < len(values):
+            values[i].initial = value
         else:
             with torch.no_grad():
                 tensors[i].copy_(value)

@@ -47,6 +47,7 @@ def big_gpt() -> GPT:
 
 def split_on_meta(mesh, make_model):
     """What the strategy does with empty_init: build on meta, record, split, materialise."""
+    torch.manual_seed(SEED)  # as a script seeds before building: values are those of eager construction
     with empty_parameters():
         model = make_model()
     assert has_meta_parameters(model)
@@ -60,6 +61,7 @@ def split_on_meta(mesh, make_model):
 
 
 def single_device(make_model) -> dict[str, torch.Tensor]:
+    torch.manual_seed(SEED)
     with empty_parameters():
         model = make_model()
     materialize(model, UnsplitModel.of(model), 0, 1, CPU, SEED)

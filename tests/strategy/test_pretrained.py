@@ -16,11 +16,11 @@ import warnings
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 from lightning_parallel import ParallelStrategy
 from lightning_parallel.checkpoint import pretrained
 from tests.helpers.parity import TensorDataset, fit_and_record
+from tests.helpers.pretrained import save_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -32,17 +32,7 @@ LOSS_TOL = dict(rel=1e-5, abs=1e-5)
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> str:
     """A tiny Llama (untied head) saved as a Hugging Face folder: config.json and model.safetensors."""
-    path = tmp_path_factory.mktemp("pretrained") / "llama"
-    torch.manual_seed(123)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      tie_word_embeddings=False)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():  # weights a fresh initialisation would never give (its std is 0.02)
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(path)
-    return str(path)
+    return save_tiny_llama(tmp_path_factory.mktemp("pretrained") / "llama", vocab=VOCAB)
 
 
 class FineTune(L.LightningModule):
@@ -163,9 +153,13 @@ def test_lora_on_a_pretrained_base_on_the_meta_device_matches_one_device(folder,
 
 def _read_bytes(rank, world, folder, sizes):
     """Bytes of safetensors data this rank read to materialise its part of the model."""
-    from lightning_parallel.strategy.materialize import UnsplitModel, empty_parameters, materialize
     from lightning_parallel.options import ParallelOptions
     from lightning_parallel.pipeline import PipelineEngine
+    from lightning_parallel.strategy.materialize import (
+        UnsplitModel,
+        empty_parameters,
+        materialize,
+    )
     from lightning_parallel.tensor_parallel import parallelize
     from tests.helpers.processes import make_mesh
 
