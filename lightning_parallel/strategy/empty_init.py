@@ -193,27 +193,25 @@ class _Recorder(TorchFunctionMode):
         return (entry[1], entry[2]) if entry is not None and entry[0] is tensor else None
 
     def source_of(self, data: Tensor) -> History:
-        """The history of a parameter created from ``data``."""
-        history = self._source_of(data)
-        history.device = data.device.type
-        return history
-
-    def _source_of(self, data: Tensor) -> History:
+        """The history of a parameter created from ``data`` (a copy of another parameter's, where ``data``
+        copies a parameter: ``copy.deepcopy`` of a layer, ``param.to(dtype)``)."""
         made = self.empty.pop(id(data), None)
         if made is not None and made() is data:
-            return History()
+            return History(device=data.device.type)
         copied = self.copies.get(id(data))
         if copied is not None and copied[0] is data:
             history = history_of(copied[1]).copy()
             if data.dtype != copied[1].dtype:
                 history.ops.append(Op((), _SET_DATA, (data.dtype,), {}))
             return history
-        if self.alias(data) is not None:
-            return history_of(self.alias(data)[0]).copy() if self.alias(data)[1] == () else History(
-                unknown="it was created from a view of another parameter")
+        found = self.alias(data)
+        if found is not None:
+            if found[1] == ():
+                return history_of(found[0]).copy()
+            return History(unknown="it was created from a view of another parameter")
         if data.is_meta:  # made on the meta device by a factory: a fresh parameter
-            return History()
-        return History(initial=data.detach())
+            return History(device="meta")
+        return History(initial=data.detach(), device=data.device.type)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
