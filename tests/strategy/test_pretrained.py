@@ -191,3 +191,40 @@ def test_each_rank_reads_only_the_bytes_of_its_own_shards(folder, sizes):
     for read, held in results:
         assert read == held  # what a rank holds (its shards of its stage), byte for byte, and nothing else
         assert read <= whole / world * 1.3  # about its share: a stage's blocks are balanced, norms are whole
+
+
+def _saved(kind: str, path) -> str:
+    """A tiny pretrained folder: sharded safetensors with their index, a tied head, or a Mixtral whose
+    per-expert tensors transformers fuses when loading (a layout that differs from the file's)."""
+    if kind == "sharded":
+        folder = save_tiny_llama(path, vocab=VOCAB)
+        transformers.AutoModelForCausalLM.from_pretrained(folder).save_pretrained(path / "sharded",
+                                                                                   max_shard_size="100KB")
+        return str(path / "sharded")
+    if kind == "tied":
+        return save_tiny_llama(path, vocab=VOCAB, tied=True)
+    torch.manual_seed(1)
+    config = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=32)
+    transformers.MixtralForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["sharded", "tied", "converted"])
+def test_from_pretrained_on_meta_gives_the_files_weights(kind, tmp_path):
+    from lightning_parallel.strategy.materialize import UnsplitModel, empty_parameters, materialize
+
+    transformers.logging.set_verbosity_error()
+    folder = _saved(kind, tmp_path)
+    if kind == "sharded":
+        assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    plain = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    with empty_parameters():
+        meta = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    materialize(meta, UnsplitModel.of(meta), 0, 1, torch.device("cpu"), 0)
+    expected = dict(plain.named_parameters(remove_duplicate=False))
+    for name, value in meta.named_parameters(remove_duplicate=False):
+        assert torch.equal(value, expected[name]), name
+    if kind == "tied":
+        assert meta.lm_head.weight is meta.model.embed_tokens.weight
