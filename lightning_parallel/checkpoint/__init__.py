@@ -7,15 +7,15 @@ written.
 """
 
 from lightning_parallel.checkpoint.atomic import (
-           CheckpointSaveError,
-           IncompleteCheckpointError,
+    CheckpointSaveError,
+    IncompleteCheckpointError,
 )
 from lightning_parallel.checkpoint.consolidate import consolidate
 from lightning_parallel.checkpoint.format import CheckpointMismatchError
 from lightning_parallel.checkpoint.io import (
-           is_sharded_checkpoint,
-           load_sharded,
-           save_sharded,
+    is_sharded_checkpoint,
+    load_sharded,
+    save_sharded,
 )
 
 __all__ = ["CheckpointMismatchError", "CheckpointSaveError", "IncompleteCheckpointError", "consolidate",

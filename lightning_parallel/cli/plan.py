@@ -147,8 +147,18 @@ def build_plan(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> LaunchPl
 
 
 def _meta_model(cfg: DictConfig) -> nn.Module:
-    with torch.device("meta"):
-        return instantiate(cfg.model)
+    """The config's model on the meta device, as the strategy will see it: a ``from_pretrained`` inside
+    reads no weights, and a network built in ``configure_model`` is built too."""
+    from lightning_parallel.strategy.materialize import (
+        builds_in_configure_model,
+        empty_parameters,
+    )
+
+    with empty_parameters(draws=False):
+        model = instantiate(cfg.model)
+        if builds_in_configure_model(model):
+            model.configure_model()
+    return model
 
 
 def device_kind(accelerator) -> str:

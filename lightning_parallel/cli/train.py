@@ -38,33 +38,67 @@ log = logging.getLogger("lightning_parallel")
 
 
 def _build_model(cfg: DictConfig, trainer):
-    """The model, initialised the same way on every layout (one device included).
+    """The model, with the values one device would build it with, on every layout (one device included).
 
-    Our strategies create it on the meta device and give each rank its part (init.py); every
-    other strategy gets it built on the meta device too and materialised whole, from the same
-    per-module seeds, so that `strategy=single` is the reference the parallel runs start from.
+    It is built on the meta device, recording how construction sets each parameter (empty_init.py):
+    our strategies then give each rank only its part, every other strategy materialises it whole
+    through the same function, so that `strategy=single` is the reference the parallel runs start
+    from. Where construction does something that cannot be replayed on meta (``init=auto``), the
+    model is built with values on the host instead when it fits there (a copy per local process),
+    and refused with the reason when it does not. ``init=host`` or ``init=meta`` forces one.
     """
     import torch
 
     from lightning_parallel.strategy import ParallelStrategy
+    from lightning_parallel.strategy.empty_init import unreplayable
     from lightning_parallel.strategy.materialize import (
         UnsplitModel,
         empty_parameters,
         materialize,
     )
 
-    if isinstance(trainer.strategy, ParallelStrategy):
-        with trainer.init_module(empty_init=True):
-            return instantiate(cfg.model, _convert_="all")
-    with trainer.init_module(empty_init=False), empty_parameters():
-        model = instantiate(cfg.model, _convert_="all")
-    try:
-        materialize(model, UnsplitModel.of(model), 0, 1, trainer.strategy.root_device, torch.initial_seed())
-    except ValueError as err:  # a parameter no init function sets: build it as its constructor does
-        log.warning("%s; building %s as its constructor does instead", err, type(model).__name__)
-        with trainer.init_module(empty_init=False):
-            model = instantiate(cfg.model, _convert_="all")
-    return model
+    ours = isinstance(trainer.strategy, ParallelStrategy)
+    start = torch.get_rng_state()
+    if cfg.get("init", "auto") != "host":
+        if ours:
+            with trainer.init_module(empty_init=True):
+                model = instantiate(cfg.model, _convert_="all")
+        else:
+            with trainer.init_module(empty_init=False), empty_parameters():
+                model = instantiate(cfg.model, _convert_="all")
+        problems = unreplayable(model)
+        if not problems:
+            log.info("model built on the meta device: each process materialises its part (init=meta)")
+            if not ours:
+                materialize(model, UnsplitModel.of(model), 0, 1, trainer.strategy.root_device, torch.initial_seed())
+            return model
+        _host_or_refuse(cfg, model, problems, trainer.num_devices)
+        torch.set_rng_state(start)  # the values the host build draws are those of a first build
+    with trainer.init_module(empty_init=False):
+        return instantiate(cfg.model, _convert_="all")
+
+
+def _host_or_refuse(cfg: DictConfig, model, problems: dict[str, str], processes: int) -> None:
+    """Log why the model is built on the host; raise where it must stay on meta or does not fit there."""
+    import os
+
+    from lightning_parallel.errors import ConfigurationError
+
+    name, why = next(iter(problems.items()))
+    reason = f"{name} ({why}" + (f", and {len(problems) - 1} more)" if len(problems) > 1 else ")")
+    need = sum(p.numel() * p.element_size() for p in model.parameters()) * processes
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if cfg.get("init", "auto") == "meta" or need > memory / 2:
+        raise ConfigurationError(
+            f"{type(model).__name__} cannot be built on the meta device: {reason} cannot be replayed there, and "
+            + ("init=meta was asked" if cfg.get("init") == "meta" else
+               f"{processes} copies of it ({need / 2**30:.1f} GiB) do not fit in half of this host's "
+               f"{memory / 2**30:.0f} GiB")
+            + "; set that parameter in the constructor with torch.nn.init functions, a tensor, or "
+              "load_state_dict (they are replayed), or train it where it fits:\n    init=host"
+        )
+    log.info("model built on the host, %d copies of %.1f GiB: %s cannot be replayed on the meta device",
+             processes, need / processes / 2**30, reason)
 
 
 def train(cfg: DictConfig) -> dict[str, float]:

@@ -2,7 +2,8 @@
 
 The network is built from a config with random weights (`AutoModelForCausalLM.from_config`), so
 nothing is downloaded; the recipes use it for a Llama-style model (Touvron et al. 2023, "Llama 2",
-arXiv 2307.09288). Like `gpt.GPT`, it imports nothing from `lightning_parallel`: the strategies
+arXiv 2307.09288). Given `pretrained` (a folder written by `save_pretrained`), it loads that model
+with `from_pretrained` instead: the fine-tuning recipe. Like `gpt.GPT`, it imports nothing from `lightning_parallel`: the strategies
 shard it through the model's own `base_model_tp_plan` and split its `model.layers` into stages.
 
 Batches are `(x, y)` with `y` already shifted by one token (see `data.text`). The loss is
@@ -12,7 +13,7 @@ shift the targets a second time.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import torch
@@ -21,23 +22,32 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 
 class HFCausalLM(L.LightningModule):
-    """`LlamaForCausalLM(LlamaConfig(**config))` trained on next-token prediction with AdamW.
+    """`LlamaForCausalLM(LlamaConfig(**config))`, or the model saved in `pretrained`, trained on
+    next-token prediction with AdamW.
 
     Args:
-        config: keyword arguments of `transformers.LlamaConfig` (hidden_size, num_hidden_layers, ...).
+        config: keyword arguments of `transformers.LlamaConfig` (hidden_size, num_hidden_layers, ...);
+            ignored when `pretrained` is given.
+        pretrained: a folder with a Hugging Face model (`config.json` and safetensors weights).
         lr, weight_decay, betas: AdamW settings; weight decay applies to matrices only.
     """
 
     def __init__(
         self,
-        config: dict[str, Any],
+        config: Optional[dict[str, Any]] = None,
+        pretrained: Optional[str] = None,
         lr: float = 3e-4,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
     ):
         super().__init__()
         self.save_hyperparameters()
-        self.model = AutoModelForCausalLM.from_config(LlamaConfig(**config))
+        if pretrained is not None:
+            self.model = AutoModelForCausalLM.from_pretrained(pretrained)
+        elif config is not None:
+            self.model = AutoModelForCausalLM.from_config(LlamaConfig(**config))
+        else:
+            raise ValueError("HFCausalLM needs a config (a new model) or pretrained (a saved model's folder)")
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=idx).logits

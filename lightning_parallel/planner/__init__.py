@@ -2,11 +2,11 @@
 from ``calibrate``), rank them (``search``). Pure logic on a model built on the meta device."""
 
 from lightning_parallel.planner.search import (
-           PlanError,
-           SearchResult,
-           explain,
-           format_table,
-           search,
+    PlanError,
+    SearchResult,
+    explain,
+    format_table,
+    search,
 )
 from lightning_parallel.planner.space import Cluster, Constraints, Layout, Workload
 

@@ -1,22 +1,20 @@
-"""Models larger than one device: create parameters without memory, then materialise each rank's part.
+"""Models larger than one device: each rank materialises only its part of a model built on meta.
 
-Under ``empty_parameters()`` (what the strategy's ``tensor_init_context(empty_init=True)`` enters,
-so ``trainer.init_module(empty_init=True)`` uses it) every parameter a module registers goes to the
-meta device and no init function runs; buffers, metric states and other tensors stay real, so the
-values a constructor computes for them (causal masks, rotary tables) survive. The strategy then
-records the unsplit model (``UnsplitModel.of``), applies tensor and pipeline parallelism to the
-meta model, and ``materialize`` gives each rank real values for exactly the parameters it holds.
+Under ``empty_parameters()`` (``empty_init.py``: what the strategy's ``tensor_init_context`` enters
+for ``trainer.init_module(empty_init=True)`` and for ``configure_model`` under it) every parameter
+is created on the meta device with a record of how construction set it. The strategy then records
+the unsplit model (``UnsplitModel.of``), applies tensor and pipeline parallelism to the meta model,
+and ``materialize`` gives each rank real values for exactly the parameters it holds.
 
-Initial values do not depend on the layout. Each module that owns parameters is initialised on
-its own, from a generator seeded with (seed, module name), the way its constructor and the model
-would have done it: ``module.reset_parameters()`` first, then the model's ``_init_weights(module)``
-(Hugging Face and nanoGPT style; the nearest enclosing module that defines it). The full tensor of
-one module exists only for that moment; each rank keeps its TP shard of it. A single device
-materialises through the same function, so it starts from the very same values.
-
-The rule to know: initialisation written as a loop after construction (nanoGPT's scaling of
-``c_proj`` weights by ``1/sqrt(2 * n_layer)``) is not replayed; put it in ``_init_weights`` or in
-the module's ``reset_parameters``. A parameter that neither sets is an error naming it.
+Values do not depend on the layout. Each module that owns parameters is materialised on its own,
+with the default generator seeded from (seed, module name): its parameters' recorded values and
+in-place operations are replayed in the order construction made them (a value loaded from a file
+is read for this rank's slice only, ``checkpoint/pretrained.py``). The full tensor of one module
+exists only for that moment; each rank keeps its TP shard of it. A single device materialises
+through the same function, so it starts from the very same values. A parameter created on meta
+outside ``empty_parameters()`` has no record: it gets ``module.reset_parameters()`` and then the
+model's ``_init_weights(module)`` (Hugging Face and nanoGPT style). One construction could not
+record (``History.unknown``), or that nothing sets, is refused with its name.
 
 A model built with real values (no ``empty_init``) is split in host memory instead: rank 0's
 initial values are broadcast while it is still on the CPU it was built on (``broadcast_on_host``),
@@ -31,50 +29,19 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Generator, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
+from lightning_parallel.checkpoint.pretrained import SafetensorsTensor, read_shard
 from lightning_parallel.compat import _sync_module_states_over
-from lightning_parallel.tensor_parallel.shard import slice_shard
+from lightning_parallel.strategy.empty_init import History, empty_parameters, history_of  # noqa: F401 - re-exported
+from lightning_parallel.tensor_parallel.shard import TPShard, slice_shard
 
 _BUCKET_BYTES = 250 * 1024 * 1024  # the bucket Lightning's and DDP's initial broadcast use
-
-
-class _SkipInit(TorchFunctionMode):
-    """Makes ``torch.nn.init`` functions no-ops: their targets are about to become meta tensors."""
-
-    _skipped: ClassVar[set] = {f for name, f in vars(nn.init).items() if callable(f) and name.endswith("_")}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self._skipped:
-            return args[0] if args else next(iter(kwargs.values()))
-        return func(*args, **(kwargs or {}))
-
-
-@contextmanager
-def empty_parameters() -> Generator[None, None, None]:
-    """Inside, modules register their parameters on the meta device (no memory, no init)."""
-    register = nn.Module.register_parameter
-
-    def register_on_meta(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
-        if param is not None and not param.is_meta:
-            meta = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
-            meta.__dict__.update(param.__dict__)
-            param = meta
-        register(module, name, param)
-
-    nn.Module.register_parameter = register_on_meta
-    try:
-        with _SkipInit():
-            yield
-    finally:
-        nn.Module.register_parameter = register
 
 
 def has_meta_parameters(module: nn.Module) -> bool:
@@ -98,6 +65,60 @@ def broadcast_on_host(module: nn.Module) -> None:
     _sync_module_states_over(module, group, _BUCKET_BYTES, src=0, params_and_buffers_to_ignore=ignored)
     if group is not dist.group.WORLD:
         dist.destroy_process_group(group)
+
+
+def builds_in_configure_model(module: nn.Module) -> bool:
+    """Whether a LightningModule builds (part of) its network in ``configure_model``, which Lightning
+    calls after the strategy's ``setup_environment`` and before its ``setup``."""
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    return isinstance(module, LightningModule) and is_overridden("configure_model", module, LightningModule)
+
+
+def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
+    """Three numbers that differ between two tensors of different values (sums over all and over a
+    stride of the elements, and the count), computed without a copy of the tensor."""
+    flat = tensor.detach().reshape(-1)
+    if flat.is_complex() or flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8) if flat.dtype == torch.bool else torch.view_as_real(flat).reshape(-1)
+    return torch.stack([flat.sum(dtype=torch.float64), flat[::97].sum(dtype=torch.float64),
+                        torch.tensor(float(flat.numel()), dtype=torch.float64)])
+
+
+def broadcast_recorded_values(model: nn.Module) -> int:
+    """Rank 0's construction, where ranks differ, for a meta-built model: the generator states its random
+    calls drew from (processes of a popen or torchrun launch draw alike only if the script seeds them
+    alike), the values recorded for its parameters (``nn.Parameter(torch.randn(...))``) and its
+    buffers. Values read from one file agree and stay. One broadcast of the generator states, one
+    all-reduce of fingerprints, then a broadcast of only the tensors that differ; collective over all
+    ranks. Returns how many tensors were broadcast."""
+    histories = list({id(h): h for p in model.parameters() if (h := history_of(p)) is not None}.values())
+    group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    drawn = [op for h in histories for op in h.ops if op.rng is not None]
+    if drawn:
+        states = torch.stack([op.rng for op in drawn])
+        dist.broadcast(states, src=0, group=group)
+        for op, state in zip(drawn, states):
+            op.rng = state.clone()  # a generator takes a state that starts its own storage
+    values = [h for h in histories if isinstance(h.initial, torch.Tensor)]
+    tensors = [h.initial for h in values] + [b for b in model.buffers() if not b.is_meta]
+    prints = torch.stack([_fingerprint(t.cpu()) for t in tensors]) if tensors else torch.zeros(0, 3, dtype=torch.float64)
+    highest, lowest = prints.clone(), prints.clone()
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=group)
+    differ = [i for i in range(len(tensors)) if not torch.equal(highest[i], lowest[i])]
+    for i in differ:
+        value = tensors[i].detach().cpu().contiguous()
+        dist.broadcast(value, src=0, group=group)
+        if i < len(values):
+            values[i].initial = value
+        else:
+            with torch.no_grad():
+                tensors[i].copy_(value)
+    if group is not dist.group.WORLD:
+        dist.destroy_process_group(group)
+    return len(differ)
 
 
 @dataclass
@@ -141,35 +162,88 @@ def module_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def _unset(p: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _unset(p: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """NaN where floating point, so a value no init function wrote is detected."""
-    empty = torch.empty(p.shape, dtype=p.dtype, device=device)
+    empty = torch.empty(p.shape, dtype=dtype or p.dtype, device=device)
     return empty.fill_(float("nan")) if empty.is_floating_point() else empty
 
 
-def _initialised(owner: _Owner, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
-    """Full-size values of ``owner``'s own parameters, initialised as its constructor and the model would."""
+def _owner_values(owner: _Owner, wanted: dict[str, Optional[TPShard]], device: torch.device, seed: int,
+                  tp_rank: int, tp_size: int) -> dict[str, torch.Tensor]:
+    """This rank's values (TP shards where ``wanted`` gives one) of the ``wanted`` parameters of ``owner``.
+
+    Every parameter of the module is replayed, wanted or not, in registration order, so the module's
+    generator gives each the same numbers on every layout; a value read from a file consumes none, and
+    is read only where wanted, for the wanted shard only.
+    """
+    params = {attr: p for attr, p in owner.module._parameters.items() if p is not None}
+    values: dict[str, torch.Tensor] = {}
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        torch.manual_seed(module_seed(seed, owner.name))
+        if any(history_of(p) is None for p in params.values()):
+            values.update(_initialised_by_the_module(owner, device))
+        for attr, param in params.items():
+            history = history_of(param)
+            if history is not None and not _read_only(history):
+                values[attr] = _replayed(history, param, device, _full_name(owner, attr))
+    out = {}
+    for attr, shard in wanted.items():
+        value = values.get(attr)
+        if value is None:  # a file read with nothing replayed after it: this rank's slice only
+            out[attr] = read_shard(history_of(params[attr]).initial, shard, tp_rank, tp_size).to(device)
+            continue
+        if value.is_floating_point() and torch.isnan(value).any():
+            raise ValueError(
+                f"{_full_name(owner, attr)} cannot be materialised from the meta device: nothing sets its value "
+                f"during construction ({type(owner.module).__name__}.reset_parameters(), the model's _init_weights() "
+                "or any other init call); set it in the constructor, or create the model without empty_init"
+            )
+        out[attr] = value if shard is None else slice_shard(value, shard, tp_rank, tp_size)
+    return out
+
+
+def _read_only(history: History) -> bool:
+    """A value read from a file and nothing done to it afterwards (it can be read in slices)."""
+    return isinstance(history.initial, SafetensorsTensor) and not history.ops and history.unknown is None
+
+
+def _full_name(owner: _Owner, attr: str) -> str:
+    return f"{owner.name}.{attr}" if owner.name else attr
+
+
+def _replayed(history: History, param: nn.Parameter, device: torch.device, name: str) -> torch.Tensor:
+    """The whole value construction gave ``param``: its initial value with the recorded operations applied."""
+    if history.unknown is not None:
+        raise ValueError(
+            f"{name} cannot be materialised from the meta device: during construction {history.unknown}, "
+            "which cannot be replayed once the model is split; create the model without empty_init"
+        )
+    initial = history.initial
+    if isinstance(initial, SafetensorsTensor):
+        value = initial.read().to(device)
+    elif isinstance(initial, torch.Tensor):
+        value = initial.to(device=device, copy=True)
+    else:
+        value = _unset(param, device, history.dtype)
+    for op in history.ops:
+        value = op.apply(value)
+    return value.to(param.dtype)
+
+
+def _initialised_by_the_module(owner: _Owner, device: torch.device) -> dict[str, torch.Tensor]:
+    """Values of the parameters of ``owner`` that have no record, as its own init functions set them."""
     scratch = copy.copy(owner.module)
     scratch._parameters = {
         attr: None if p is None else nn.Parameter(_unset(p, device), p.requires_grad)
         for attr, p in owner.module._parameters.items()
     }
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), torch.no_grad():
-        torch.manual_seed(module_seed(seed, owner.name))
-        if hasattr(scratch, "reset_parameters"):
-            scratch.reset_parameters()
-        if owner.init_weights is not None:
-            owner.init_weights(scratch)
-    values = {attr: p.detach() for attr, p in scratch._parameters.items() if p is not None}
-    for attr, p in values.items():
-        if p.is_floating_point() and torch.isnan(p).any():
-            raise ValueError(
-                f"{owner.name + '.' if owner.name else ''}{attr} cannot be materialised from the meta device: neither "
-                f"{type(owner.module).__name__}.reset_parameters() nor the model's _init_weights() sets it; define "
-                "one of them, or create the model without empty_init"
-            )
-    return values
+    if hasattr(scratch, "reset_parameters"):
+        scratch.reset_parameters()
+    if owner.init_weights is not None:
+        owner.init_weights(scratch)
+    return {attr: p.detach() for attr, p in scratch._parameters.items()
+            if p is not None and history_of(owner.module._parameters[attr]) is None}
 
 
 @torch.no_grad()
@@ -187,13 +261,15 @@ def materialize(model: nn.Module, unsplit: UnsplitModel, tp_rank: int, tp_size: 
             done.add(id(p))
             index, attr = unsplit.owner_of[name]
             todo.setdefault(index, []).append((attr, p))
+    rnns = [m for m in model.modules() if isinstance(m, nn.RNNBase)]
+    for rnn in rnns:  # they keep weak references to their weights, which a swap may not leave behind
+        rnn._flat_weight_refs = []
     for index in sorted(todo):
-        values = _initialised(unsplit.owners[index], device, seed)
+        wanted = {attr: getattr(param, "tp_shard", None) for attr, param in todo[index]}
+        values = _owner_values(unsplit.owners[index], wanted, device, seed, tp_rank, tp_size)
         for attr, param in todo[index]:
-            value = values[attr]
-            shard = getattr(param, "tp_shard", None)
-            if shard is not None:
-                value = slice_shard(value, shard, tp_rank, tp_size)
-            real = nn.Parameter(value, requires_grad=param.requires_grad)
+            real = nn.Parameter(values[attr], requires_grad=param.requires_grad)
             torch.utils.swap_tensors(param, real)
             param.__dict__.update(real.__dict__)  # the swap moved the attributes (tp_shard, ...) to ``real``
+    for rnn in rnns:
+        rnn._init_flat_weights()

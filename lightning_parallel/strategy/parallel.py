@@ -76,6 +76,8 @@ from lightning_parallel.strategy.launcher import MultiProcessingLauncher
 from lightning_parallel.strategy.materialize import (
     UnsplitModel,
     broadcast_on_host,
+    broadcast_recorded_values,
+    builds_in_configure_model,
     empty_parameters,
     has_meta_parameters,
     materialize,
@@ -164,6 +166,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         self._unsplit_counts: dict[str, tuple[int, int]] = {}  # parameters per module before the split
         self._tp_reference: Optional[tuple] = None  # the whole model's values on the probe's example (probe.py)
         self._split_module: Optional[weakref.ref] = None  # the module split by _split, kept across Trainer calls
+        self._empty_init = False  # init_module(empty_init=True) was asked: configure_model builds on meta too
         self.finalize_gradients: Optional[GradientFinalizer] = None
 
     # ---- what Lightning asks of a parallel strategy ---------------------------------------------
@@ -253,7 +256,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         module = self.lightning_module
         mesh = validate_launch(
             self.options, self.num_nodes, self.num_processes,
-            model=module if self.is_model_split and not self._has_split(module) else None,
+            model=module if self._checks_model(module) and not builds_in_configure_model(module) else None,
             automatic_optimization=module is None or module.automatic_optimization,
             loss_scaler=getattr(self.precision_plugin, "scaler", None) is not None,
         )
@@ -270,6 +273,9 @@ class ParallelStrategy(_LightningParallelStrategy):
         if self.mesh is None:  # a later Trainer call in the same process keeps the groups
             self.mesh = mesh.init_process_groups(self.global_rank, self.root_device.type)
         self._requeue = DeferredRequeue(self.cluster_environment)
+
+    def _checks_model(self, module: Any) -> bool:
+        return module is not None and self.is_model_split and not self._has_split(module)
 
     def _refuse_split_model_flags(self, trainer: Any) -> None:
         """Trainer features that would silently do something else on a split model (TP or PP)."""
@@ -300,6 +306,10 @@ class ParallelStrategy(_LightningParallelStrategy):
             if self.pipeline is not None:
                 self.pipeline.link.device = self.root_device
         else:
+            if self._checks_model(module) and builds_in_configure_model(module):  # built just now: check it
+                validate_launch(self.options, self.num_nodes, self.num_processes, model=module,
+                                automatic_optimization=module.automatic_optimization,
+                                loss_scaler=getattr(self.precision_plugin, "scaler", None) is not None)
             self._unsplit_counts = count_parameters(module)
             self._split(module)
         if self.is_model_split:  # Lightning's summary would count rank 0's shard of its stage
@@ -347,9 +357,11 @@ class ParallelStrategy(_LightningParallelStrategy):
         """Steps 1-3 of the module docstring on a module this strategy has not split before."""
         self.pipeline = None
         on_meta = has_meta_parameters(module)
-        if on_meta:  # nothing to broadcast yet: every rank derives the same values from one seed
+        self._agree_on_build(on_meta)
+        if on_meta:  # nothing to broadcast but values construction computed: the rest is replayed from one seed
             unsplit = UnsplitModel.of(module)
             seed = self.broadcast(torch.initial_seed())
+            broadcast_recorded_values(module)
         elif on_host(module):  # split in host memory: only this rank's stage and shards reach the device
             broadcast_on_host(module)  # rank 0's initial values everywhere (init.py)
         else:  # built on the device already (trainer.init_module() without empty_init)
@@ -379,6 +391,17 @@ class ParallelStrategy(_LightningParallelStrategy):
         if self.is_model_split:
             self._split_module = weakref.ref(module)
 
+    def _agree_on_build(self, on_meta: bool) -> None:
+        """Refuse, on every rank, a model built on the meta device on some ranks and with values on others
+        (their splits would start with different collectives)."""
+        flags = torch.tensor([int(on_meta), -int(on_meta)], device=self.root_device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0] != -flags[1]:
+            raise LaunchError(
+                "the model was built on the meta device (empty_init) on some ranks and with values on others; "
+                "build it the same way on every rank"
+            )
+
     def _has_split(self, module: Any) -> bool:
         """Whether ``module`` is the one this strategy split (checking or splitting it again would fail)."""
         return self._split_module is not None and self._split_module() is module
@@ -390,7 +413,15 @@ class ParallelStrategy(_LightningParallelStrategy):
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator:
         """``trainer.init_module(empty_init=True)``: parameters on the meta device, materialised in
-        ``setup`` only for this rank's stage and shards (``init.py``)."""
+        ``setup`` only for this rank's stage and shards, with the values construction gave them
+        (``empty_init.py``, ``materialize.py``). Lightning enters this context without an argument
+        around ``configure_model``: there the model is built on meta too when the module was
+        (``init_module(empty_init=True)``), as Lightning's own sharded strategies do, and with values
+        otherwise, as one device would build it."""
+        if empty_init:
+            self._empty_init = True
+        elif empty_init is None and self._empty_init:
+            empty_init = True
         if not empty_init:
             with super().tensor_init_context(empty_init):
                 yield

@@ -18,6 +18,7 @@ from lightning_parallel.errors import LaunchError
 from lightning_parallel.models.gpt import GPT
 from lightning_parallel.options import ParallelOptions
 from lightning_parallel.planner.estimate import TransformerDims, layer_activation_bytes
+from tests.helpers.pretrained import save_tiny_llama
 
 RECIPES = sorted(
     p.stem
@@ -38,10 +39,17 @@ def outside_slurm(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> str:
+    """The model the fine-tuning recipe loads: byte-level text needs a vocabulary of 256."""
+    return save_tiny_llama(tmp_path_factory.mktemp("pretrained") / "llama", vocab=256)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_every_recipe_plans_without_error(recipe):
-    plan = build_plan(config(f"+recipe={recipe}"))
+def test_every_recipe_plans_without_error(recipe, pretrained):
+    given = [f"model.pretrained={pretrained}"] if recipe.startswith("finetune") else []
+    plan = build_plan(config(f"+recipe={recipe}", *given))
     assert plan.mesh.world_size == plan.num_nodes * plan.devices_per_node
     assert plan.memory and all(m.total_bytes > 0 for m in plan.memory)
 

@@ -75,7 +75,7 @@ class ReplicaBatches(Sampler):
 
 
 def fit_and_record(
-    module: L.LightningModule,
+    module: L.LightningModule | Callable[[L.Trainer], L.LightningModule],
     dataset: Dataset,
     batch_size: int,
     out_dir: str,
@@ -85,7 +85,8 @@ def fit_and_record(
     emulate_replicas: int = 0,
     **trainer_kwargs: Any,
 ) -> list[dict]:
-    """Fit a deep copy of ``module``; return one record per rank (losses, params, global_step).
+    """Fit a deep copy of ``module`` (or the module ``module(trainer)`` builds with the fitting Trainer,
+    e.g. under its ``init_module``); return one record per rank (losses, params, global_step).
 
     ``batch_size`` is per rank. A single-device reference run passes ``emulate_replicas=D`` and
     the global batch size, to read exactly the batches of a run with D data-parallel replicas.
@@ -110,7 +111,7 @@ def fit_and_record(
         loader = DataLoader(dataset, batch_sampler=sampler)
     else:
         loader = DataLoader(dataset, batch_size=batch_size, shuffle=False)
-    trainer.fit(copy.deepcopy(module), loader)
+    trainer.fit(copy.deepcopy(module) if isinstance(module, L.LightningModule) else module(trainer), loader)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(devices)]
 
 

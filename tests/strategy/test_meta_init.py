@@ -47,6 +47,7 @@ def big_gpt() -> GPT:
 
 def split_on_meta(mesh, make_model):
     """What the strategy does with empty_init: build on meta, record, split, materialise."""
+    torch.manual_seed(SEED)  # as a script seeds before building: values are those of eager construction
     with empty_parameters():
         model = make_model()
     assert has_meta_parameters(model)
@@ -60,6 +61,7 @@ def split_on_meta(mesh, make_model):
 
 
 def single_device(make_model) -> dict[str, torch.Tensor]:
+    torch.manual_seed(SEED)
     with empty_parameters():
         model = make_model()
     materialize(model, UnsplitModel.of(model), 0, 1, CPU, SEED)
@@ -112,16 +114,28 @@ def test_initial_values_follow_the_models_own_init():
     assert abs(llama["model.model.layers.0.mlp.up_proj.weight"].std().item() - 0.02) < 2e-3
 
 
-def test_parameter_without_an_init_is_an_error_naming_it():
+def test_values_given_by_the_constructor_are_kept_and_a_parameter_nothing_sets_is_an_error_naming_it():
     class Scaled(nn.Module):
-        def __init__(self):
+        def __init__(self, unset: bool = False, copied: bool = False):
             super().__init__()
             self.proj = nn.Linear(4, 4)
-            self.scale = nn.Parameter(torch.ones(4))  # set by the constructor only: lost on meta
+            self.scale = nn.Parameter(torch.ones(4) * 3)  # a value, not an init call: kept on meta
+            self.offset = nn.Parameter(torch.empty(4)) if unset else None  # nothing ever sets it
+            if copied:
+                with torch.no_grad():
+                    self.proj.bias.copy_(self.scale)  # from another meta tensor: nothing to replay
 
     with empty_parameters():
         model = Scaled()
-    with pytest.raises(ValueError, match=r"^scale cannot be materialised"):
+    materialize(model, UnsplitModel.of(model), 0, 1, CPU, SEED)
+    assert torch.equal(model.scale, torch.full((4,), 3.0))
+    with empty_parameters():
+        model = Scaled(unset=True)
+    with pytest.raises(ValueError, match=r"^offset cannot be materialised .*nothing sets its value"):
+        materialize(model, UnsplitModel.of(model), 0, 1, CPU, SEED)
+    with empty_parameters():
+        model = Scaled(copied=True)
+    with pytest.raises(ValueError, match=r"^proj.bias cannot be materialised .*copy_.* another meta tensor"):
         materialize(model, UnsplitModel.of(model), 0, 1, CPU, SEED)
 
 

@@ -1,0 +1,359 @@
+"""Build a model without memory, and remember how its construction set every parameter.
+
+Inside ``empty_parameters()`` (``trainer.init_module(empty_init=True)`` with our strategies, and
+``configure_model`` under it) every parameter a module creates lives on the meta device, while
+buffers, metric states and other tensors stay real (causal masks and rotary tables keep the
+values their constructor computed). Nothing that construction does to a parameter is lost: it is
+recorded on the parameter as a ``History``, which ``materialize.py`` replays later, once the
+model is split, for exactly the part a rank holds:
+
+- ``initial``: the value the parameter was given. None for a fresh one (``torch.empty``, a meta
+  tensor); a real tensor that was passed in (``nn.Parameter(loaded)``, ``load_state_dict``,
+  ``param.copy_(t)``, ``param.data = t``: kept by reference until materialisation, so a module
+  that loads a state dict in ``__init__`` holds it in host memory until setup); or a lazy source
+  such as a tensor in a safetensors file (``checkpoint/pretrained.py`` defers Hugging Face
+  ``from_pretrained`` reads this way, so each rank reads only its own slices);
+- ``ops``: every in-place operation applied afterwards to the parameter or to a view of it, in
+  order: ``nn.init`` functions, ``normal_``, ``mul_``, ``weight[padding_idx].fill_(0)``,
+  ``param.data = param.to(dtype)``. They are replayed on the real tensor with the module's seeded
+  generator, which is how torch layers that initialise in a private method
+  (``nn.MultiheadAttention._reset_parameters``), loops in a parent's ``__init__`` (nanoGPT's scaled
+  ``c_proj``) and PEFT's LoRA initialisation all get their values;
+- ``unknown``: why construction did something that cannot be replayed (a parameter filled from
+  another meta tensor). Materialising it is refused with that reason; nothing is initialised over
+  it.
+
+Recording is done by a ``TorchFunctionMode`` that sees every torch call during construction and
+by the constructors of ``nn.Parameter`` and ``nn.Module.register_parameter``; only calls that
+touch a recorded parameter are handled, everything else runs as usual.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generator, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from lightning_parallel.checkpoint.pretrained import deferred_pretrained_reads
+
+# nn.init functions that reach a TorchFunctionMode themselves (the others reach it through the
+# tensor methods they call, e.g. xavier_uniform_ -> uniform_): recorded as one call
+_INIT_FUNCTIONS = {f for name, f in vars(nn.init).items() if callable(f) and name.endswith("_")}
+# calls that return a view of their first argument: a write into the view writes the parameter
+_VIEWS = {
+    Tensor.__getitem__, Tensor.view, Tensor.view_as, Tensor.reshape, Tensor.t, Tensor.transpose,
+    Tensor.permute, Tensor.narrow, Tensor.select, Tensor.squeeze, Tensor.unsqueeze, Tensor.flatten,
+    Tensor.unflatten, Tensor.diagonal, Tensor.expand, Tensor.as_strided, Tensor.movedim,
+    Tensor.chunk, Tensor.split, Tensor.unbind, Tensor.tensor_split,
+}
+_ALIASES = {Tensor.data.__get__, Tensor.detach}  # the parameter itself, without autograd
+_COPIES = {Tensor.clone, Tensor.to, Tensor.type, Tensor.float, Tensor.double, Tensor.half, Tensor.bfloat16,
+           Tensor.contiguous}  # a copy of the whole parameter, possibly in another dtype
+_SET_DATA = Tensor.data.__set__
+_EMPTY = {torch.empty, torch.empty_like, torch.empty_strided, Tensor.new_empty}
+# calls that draw random numbers (nn.init functions and tensor methods)
+_RANDOM = {"normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+           "trunc_normal_", "orthogonal_", "sparse_", "bernoulli_", "exponential_", "geometric_", "log_normal_",
+           "cauchy_", "random_"}
+# in-place methods that change no values
+_NOT_WRITES = {"requires_grad_", "share_memory_", "retain_grad", "record_stream", "pin_memory"}
+
+
+def _writes(func: Callable) -> bool:
+    if func in _INIT_FUNCTIONS or func is Tensor.__setitem__:
+        return True
+    name = getattr(func, "__name__", "")
+    return name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES
+
+
+@dataclass
+class Op:
+    """One in-place call on ``view``, the tensor reached from the parameter through ``path`` (view
+    calls ``(func, args, kwargs, index into a tuple result)``): ``func(view, *args, **kwargs)``, or
+    ``func(*args, **{slot: view}, **kwargs)`` where the call named its target (``init.normal_(tensor=w)``)."""
+
+    path: tuple
+    func: Callable
+    args: tuple
+    kwargs: dict
+    slot: Optional[str] = None
+    rng: Optional[Tensor] = None  # the generator's state when construction made this random call
+
+    def apply(self, tensor: Tensor) -> Tensor:
+        """Apply to the real ``tensor``; returns it (a dtype change returns a new tensor). A random call
+        draws from the generator state construction had, so it gives the values eager construction gave."""
+        if self.func is _SET_DATA:  # param.data = param.to(dtype): the only whole-tensor replacement kept
+            return tensor.to(self.args[0])
+        view = tensor
+        for func, args, kwargs, index in self.path:
+            view = func(view, *args, **kwargs)
+            if index is not None:
+                view = view[index]
+        if self.rng is None:
+            self.call(view)
+            return tensor
+        kwargs = self.kwargs
+        if isinstance(kwargs.get("generator"), torch.Generator):  # a generator of the model's own: same state
+            kwargs = {**kwargs, "generator": torch.Generator(kwargs["generator"].device).set_state(self.rng)}
+            self.call(view, kwargs)
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.set_rng_state(self.rng)
+                self.call(view)
+        return tensor
+
+    def call(self, view: Tensor, kwargs: Optional[dict] = None) -> None:
+        kwargs = self.kwargs if kwargs is None else kwargs
+        if self.slot is None:
+            self.func(view, *self.args, **kwargs)
+        else:
+            self.func(*self.args, **{self.slot: view}, **kwargs)
+
+
+def _split_target(args: tuple, kwargs: dict) -> tuple[Any, tuple, dict, Optional[str]]:
+    """(target, other positional args, other keyword args, keyword naming the target or None)."""
+    if args:
+        return args[0], args[1:], kwargs, None
+    for key, value in kwargs.items():
+        if isinstance(value, Tensor):
+            return value, (), {k: v for k, v in kwargs.items() if k != key}, key
+    return None, (), kwargs, None
+
+
+@dataclass
+class History:
+    """How construction set one parameter (see the module docstring)."""
+
+    initial: Any = None
+    ops: list[Op] = field(default_factory=list)
+    unknown: Optional[str] = None
+    dtype: Optional[torch.dtype] = None  # the dtype the parameter was created in (ops replay in it)
+    device: str = "cpu"  # where eager construction would have put it: random calls draw only off "meta"
+
+    def reset(self, initial: Any) -> None:
+        """A value assigned whole: what came before no longer matters."""
+        self.initial, self.ops, self.unknown = initial, [], None
+        self.dtype = getattr(initial, "dtype", self.dtype)
+
+    def copy(self) -> "History":
+        return History(self.initial, list(self.ops), self.unknown, self.dtype, self.device)
+
+
+def history_of(param: Tensor) -> Optional[History]:
+    """The recorded history of a parameter created under ``empty_parameters()`` (None otherwise)."""
+    return getattr(param, "_lp_history", None)
+
+
+def _deepcopy_keeping_history(original: Callable) -> Callable:
+    def deepcopy(self: nn.Parameter, memo: dict) -> nn.Parameter:
+        result = original(self, memo)
+        history = history_of(self)
+        if history is not None and history_of(result) is None:
+            result._lp_history = history.copy()
+        return result
+
+    deepcopy.__wrapped__ = original
+    return deepcopy
+
+
+# torch's Parameter.__deepcopy__ drops attributes; a deep copy of a model built on meta (an EMA copy,
+# a test's reference copy) must keep how its parameters are to be set
+if not hasattr(nn.Parameter.__deepcopy__, "__wrapped__"):
+    nn.Parameter.__deepcopy__ = _deepcopy_keeping_history(nn.Parameter.__deepcopy__)
+
+
+class _Recorder(TorchFunctionMode):
+    """Records in-place calls on meta parameters (and their views) instead of running them on meta."""
+
+    def __init__(self, draws: bool = True) -> None:
+        super().__init__()
+        self.draws = draws
+        # id(tensor) -> (tensor, parameter, path): views and aliases of recorded parameters, and the
+        # parameters themselves (path ()); the tensor is kept so an id is never reused meanwhile
+        self.aliases: dict[int, tuple[Tensor, nn.Parameter, tuple]] = {}
+        self.copies: dict[int, tuple[Tensor, nn.Parameter]] = {}  # whole copies (clone, to(dtype))
+        self.empty: dict[int, weakref.ref] = {}  # tensors made by torch.empty and friends: no values yet
+
+    def track(self, param: nn.Parameter, history: History) -> nn.Parameter:
+        if history.dtype is None:
+            history.dtype = param.dtype
+        param._lp_history = history
+        self.aliases[id(param)] = (param, param, ())
+        return param
+
+    def alias(self, tensor: Any) -> Optional[tuple[nn.Parameter, tuple]]:
+        entry = self.aliases.get(id(tensor)) if isinstance(tensor, Tensor) else None
+        return (entry[1], entry[2]) if entry is not None and entry[0] is tensor else None
+
+    def source_of(self, data: Tensor) -> History:
+        """The history of a parameter created from ``data`` (a copy of another parameter's, where ``data``
+        copies a parameter: ``copy.deepcopy`` of a layer, ``param.to(dtype)``)."""
+        made = self.empty.pop(id(data), None)
+        if made is not None and made() is data:
+            return History(device=data.device.type)
+        copied = self.copies.get(id(data))
+        if copied is not None and copied[0] is data:
+            history = history_of(copied[1]).copy()
+            if data.dtype != copied[1].dtype:
+                history.ops.append(Op((), _SET_DATA, (data.dtype,), {}))
+            return history
+        found = self.alias(data)
+        if found is not None:
+            if found[1] == ():
+                return history_of(found[0]).copy()
+            return History(unknown="it was created from a view of another parameter")
+        if data.is_meta:  # made on the meta device by a factory: a fresh parameter
+            return History(device="meta")
+        return History(initial=data.detach(), device=data.device.type)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _EMPTY:
+            out = func(*args, **kwargs)
+            self.empty[id(out)] = weakref.ref(out)
+            return out
+        target, rest, others, slot = _split_target(args, kwargs)
+        found = self.alias(target)
+        if found is None:
+            self._refuse_writes_from_parameters(func, target, rest, others)
+            return func(*args, **kwargs)
+        param, path = found
+        history = history_of(param)
+        if func in _ALIASES and len(args) == 1:
+            out = func(*args, **kwargs)
+            self.aliases[id(out)] = (out, param, path)
+            return out
+        if func in _VIEWS:
+            out = func(*args, **kwargs)
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            for index, view in enumerate(outs):
+                step = (func, args[1:], kwargs, index if isinstance(out, (tuple, list)) else None)
+                self.aliases[id(view)] = (view, param, path + (step,))
+            return out
+        if func in _COPIES and path == ():
+            out = func(*args, **kwargs)
+            if isinstance(out, Tensor):
+                self.copies[id(out)] = (out, param)
+            return out
+        if (func is _SET_DATA or func is Tensor.copy_) and rest:
+            self._assign(history, param, path, rest[0], func)
+            return None if func is _SET_DATA else target
+        if _writes(func):
+            given, _ = tree_flatten((rest, others))
+            if any(isinstance(t, Tensor) and (t.is_meta or self.alias(t) is not None) for t in given):
+                history.unknown = f"{_name(func)}(...) was given another meta tensor"
+            else:
+                history.ops.append(self._drawn(Op(path, func, rest, others, slot), target, history.device))
+            return target
+        return func(*args, **kwargs)
+
+    def _drawn(self, op: Op, target: Tensor, device: str) -> Op:
+        """A random call is made on a scratch tensor of the target's shape, so the generator moves on as
+        it would have in eager construction (the draws after it stay the same), and its state before is
+        kept for the replay. Others are kept as they are, and so are random calls that eager construction
+        would have made on the meta device (which draws nothing: Hugging Face builds a model on meta
+        before loading it) or on an accelerator (replayed with the module's seed)."""
+        if not self.draws or _name(op.func) not in _RANDOM or device != "cpu":
+            return op
+        generator = op.kwargs.get("generator")
+        own = isinstance(generator, torch.Generator)
+        if own and generator.device.type != "cpu":
+            return op
+        op.rng = generator.get_state() if own else torch.get_rng_state()
+        op.call(torch.empty(target.shape, dtype=target.dtype))
+        return op
+
+    def _assign(self, history: History, param: nn.Parameter, path: tuple, source: Any, func: Callable) -> None:
+        copied = self.copies.get(id(source))
+        if isinstance(source, Tensor) and not source.is_meta:
+            if path == () and source.shape == param.shape:
+                history.reset(source.detach().to(param.dtype))
+            else:  # a real tensor into part of the parameter: replayable like any other write
+                history.ops.append(Op(path, Tensor.copy_, (source.detach(),), {}))
+        elif func is _SET_DATA and path == () and copied is not None and copied[0] is source and copied[1] is param:
+            history.ops.append(Op((), _SET_DATA, (source.dtype,), {}))  # param.data = param.to(dtype)
+        else:
+            history.unknown = f"{_name(func)} was given another meta tensor"
+
+    def _refuse_writes_from_parameters(self, func: Callable, target: Any, args: tuple, kwargs: dict) -> None:
+        """A real tensor written from a meta parameter (``buffer.copy_(param)``) cannot get its value."""
+        if _writes(func) or func is _SET_DATA:
+            rest, _ = tree_flatten((args, kwargs))
+            if isinstance(target, Tensor) and not target.is_meta and any(self.alias(t) for t in rest):
+                raise RuntimeError(
+                    f"{_name(func)} writes a meta parameter's value into a real tensor during construction under "
+                    "empty_init, where parameters have no values yet; build this model without empty_init"
+                )
+
+
+def _name(func: Callable) -> str:
+    return getattr(func, "__name__", str(func))
+
+
+def unreplayable(model: nn.Module) -> dict[str, str]:
+    """Parameter name -> why its value cannot be given on the meta device (a construction that could not
+    be recorded, or nothing that sets it); empty when every parameter can be materialised."""
+    found = {}
+    for name, param in model.named_parameters():
+        history = history_of(param)
+        if history is None:
+            continue
+        if history.unknown is not None:
+            found[name] = history.unknown
+        elif history.initial is None and not history.ops:
+            found[name] = "nothing sets its value"
+    return found
+
+
+def _defer(param: nn.Parameter, source: Any) -> bool:
+    """A parameter's value is ``source`` (read later, by ``materialize``), if it was made under our hooks."""
+    history = history_of(param)
+    if history is None:
+        return False
+    history.reset(source)
+    return True
+
+
+@contextmanager
+def empty_parameters(draws: bool = True) -> Generator[None, None, None]:
+    """Inside, modules create their parameters on the meta device and every value construction gives
+    them is recorded (see the module docstring). ``draws=False`` skips drawing the random numbers that
+    keep later draws as in eager construction (for a model built only to read its shapes)."""
+    recorder = _Recorder(draws)
+    register = nn.Module.register_parameter
+    new_parameter = nn.Parameter.__new__
+
+    def parameter_on_meta(cls, data=None, requires_grad=True):
+        if cls is not nn.Parameter:  # Lazy and other special parameters keep their own construction
+            return new_parameter(cls, data, requires_grad)
+        data = torch.empty(0) if data is None else data
+        history = recorder.source_of(data)
+        meta = new_parameter(cls, torch.empty_like(data, device="meta"), requires_grad)
+        return recorder.track(meta, history)
+
+    def register_on_meta(module: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        lazy = isinstance(param, nn.parameter.UninitializedParameter)  # takes its shape at the first forward
+        if param is not None and not lazy and history_of(param) is None:  # made before the context, or elsewhere
+            history = History(device=param.device.type) if param.is_meta else History(initial=param.detach())
+            meta = new_parameter(nn.Parameter, torch.empty_like(param, device="meta"), param.requires_grad)
+            meta.__dict__.update(param.__dict__)
+            param = recorder.track(meta, history)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    nn.Parameter.__new__ = parameter_on_meta
+    try:
+        with recorder, deferred_pretrained_reads(_defer), warnings.catch_warnings():
+            # load_state_dict warns that copying into a meta parameter is a no-op: here it is recorded
+            warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter.*")
+            yield
+    finally:
+        nn.Module.register_parameter = register
+        nn.Parameter.__new__ = new_parameter
