@@ -38,6 +38,7 @@ from torch import nn
 
 from lightning_parallel.checkpoint.pretrained import SafetensorsTensor, read_shard
 from lightning_parallel.compat import _sync_module_states_over
+from lightning_parallel.errors import IncompatibleModelError
 from lightning_parallel.strategy.empty_init import History, empty_parameters, history_of  # noqa: F401 - re-exported
 from lightning_parallel.tensor_parallel.shard import TPShard, slice_shard
 
@@ -194,7 +195,7 @@ def _owner_values(owner: _Owner, wanted: dict[str, Optional[TPShard]], device: t
             out[attr] = read_shard(history_of(params[attr]).initial, shard, tp_rank, tp_size).to(device)
             continue
         if value.is_floating_point() and torch.isnan(value).any():
-            raise ValueError(
+            raise IncompatibleModelError(
                 f"{_full_name(owner, attr)} cannot be materialised from the meta device: nothing sets its value "
                 f"during construction ({type(owner.module).__name__}.reset_parameters(), the model's _init_weights() "
                 "or any other init call); set it in the constructor, or create the model without empty_init"
@@ -215,7 +216,7 @@ def _full_name(owner: _Owner, attr: str) -> str:
 def _replayed(history: History, param: nn.Parameter, device: torch.device, name: str) -> torch.Tensor:
     """The whole value construction gave ``param``: its initial value with the recorded operations applied."""
     if history.unknown is not None:
-        raise ValueError(
+        raise IncompatibleModelError(
             f"{name} cannot be materialised from the meta device: during construction {history.unknown}, "
             "which cannot be replayed once the model is split; create the model without empty_init"
         )
