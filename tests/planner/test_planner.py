@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shlex
 
 import lightning as L
 import pytest
@@ -147,7 +148,14 @@ def test_lp_plan_search_prints_the_ranked_table_and_the_overrides(capsys):
         assert column in lines[header]
     assert [line.split()[0] for line in lines[header + 1 : header + 4]] == ["1", "2", "3"]
     assert lines[header + 4].startswith("chosen: ")
-    assert "lp-train strategy=auto strategy.tensor_parallel=" in out
+    # the command to train with it carries the user's overrides and pins every size: no search at setup
+    command = shlex.split(lines[lines.index("train with it:") + 1])
+    assert command[:4] == ["lp-train", "strategy=auto", "model.n_layer=4", "model.n_embd=64"]
+    from lightning_parallel.cli.overrides import compose_config
+    from lightning_parallel.cli.plan import build_plan
+
+    plan = build_plan(compose_config(command[1:]), env={})
+    assert plan.search is None and plan.mesh.world_size == 8
 
 
 def test_lp_plan_refuses_cluster_flags_without_search(capsys):
