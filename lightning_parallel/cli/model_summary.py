@@ -3,7 +3,7 @@
 Lightning counts FLOPs only by running ``example_input_array`` through the model; a module without
 one gets a FLOPs column of zeros and "Total FLOPs: 0". This summary shows the column and the total
 when something was counted, and leaves both out otherwise. Under tensor or pipeline parallelism
-the strategy still hands it the whole model's parameter counts (``summary.py``).
+the strategy still hands it the whole model's parameter counts (``strategy/summary.py``).
 """
 
 from __future__ import annotations

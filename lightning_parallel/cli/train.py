@@ -122,7 +122,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     from lightning_parallel.cli.quiet import quiet_known_warnings, quiet_resume_warning
 
-    quiet_known_warnings()
+    from hydra.core.hydra_config import HydraConfig
+
+    # hydra.verbose=true (or naming loggers) asks for Lightning's own notices too
+    quiet_known_warnings(banner=HydraConfig.initialized() and bool(HydraConfig.get().verbose))
     import lightning as L
 
     if logging.getLogger().handlers:  # Hydra's console and train.log handlers; Lightning's own would repeat each line
@@ -133,7 +136,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # plain Python arguments, so the hyperparameters saved in checkpoints load with weights_only
     datamodule = instantiate(cfg.data, _convert_="all")
     quiet_resume_warning(datamodule)
-    callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [RunSummary(plan)]
+    callbacks = [RunSummary(plan)] + [instantiate(c) for c in cfg.callbacks.values()]  # its block first
     trainer = instantiate(cfg.trainer, callbacks=callbacks)
     model = _build_model(cfg, trainer)
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
