@@ -82,10 +82,11 @@ def _own_class_in_default_config(overrides: list[str]) -> Optional[tuple[str, li
         # values of other groups that were read from this group's default (data.block_size: ${model.block_size})
         fixed += [f"{key}={hydra_value(value)}" for key, value in _borrowed(cfg, group).items()]
         option, target = cfg.hydra.runtime.choices.get(group), cfg[group]._target_
+        more = f" and {len(refused) - 4} more" if len(refused) > 4 else ""
         return (f"{group}._target_={target} puts a class of your own into the {group} config {option!r}, whose "
                 f"other keys reach its constructor too, and {getattr(built, '__name__', target)} takes no "
-                f"{', '.join(refused[:4])}{f' and {len(refused) - 4} more' if len(refused) > 4 else ''}. A class of your own starts from the empty config {group}=custom, its "
-                f"arguments given with +:", fixed)
+                f"{', '.join(refused[:4])}{more}. A class of your own starts from the empty config {group}=custom, "
+                f"its arguments given with +:", fixed)
     return None
 
 

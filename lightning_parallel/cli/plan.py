@@ -55,7 +55,6 @@ from lightning_parallel.cli.overrides import compose_config
 from lightning_parallel.cli.suggest import command_line, explained, has_key, with_settings
 from lightning_parallel.errors import ConfigurationError, Fix, LaunchError, LightningParallelError
 from lightning_parallel.mesh import ParallelMesh
-from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline.partition import StagePlan
 from lightning_parallel.planner import (
     Cluster,

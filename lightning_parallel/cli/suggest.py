@@ -26,12 +26,13 @@ Check = Callable[[list[str]], Optional[Exception]]
 
 def has_key(cfg: DictConfig, key: str) -> bool:
     """Whether ``key`` (dotted) is in ``cfg``, set or not (``???``): Hydra then takes it without ``+``."""
+    *parents, last = key.split(".")
     node: Any = cfg
-    for part in key.split("."):
-        if not isinstance(node, DictConfig) or part not in node.keys():
+    for part in parents:
+        node = node.get(part) if part in node.keys() else None
+        if not isinstance(node, DictConfig):
             return False
-        node = node._get_node(part)
-    return True
+    return last in node.keys()
 
 
 def with_settings(overrides: Sequence[str], settings: Mapping[str, Any], cfg: DictConfig) -> list[str]:
