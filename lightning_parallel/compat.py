@@ -44,7 +44,7 @@ OVERRIDDEN = {
     "lightning.pytorch.strategies.ParallelStrategy": ("_layer_sync",),
     "lightning.pytorch.callbacks.ModelSummary": ("_summary", "_max_depth"),
     "lightning.pytorch.strategies.launchers.multiprocessing._MultiProcessingLauncher": (
-        "_collect_rank_zero_results", "_recover_results_in_main_process", "_already_fit", "_strategy",
+        "_collect_rank_zero_results", "_recover_results_in_main_process", "_already_fit", "_strategy", "_start_method",
     ),
 }
 

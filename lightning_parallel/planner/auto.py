@@ -85,6 +85,8 @@ def report(result: SearchResult, top: int = 5) -> str:
 def training_shape(trainer: Any, strategy: Any) -> tuple[int, int]:
     """The batch shape of the run (``planner/batch.py``): its data module's, or the first batch of
     the loader given to the Trainer or of the module's own hook. Raises ``BatchShapeUnknown``."""
+    if trainer is None:
+        raise BatchShapeUnknown("no Trainer call (fit, validate, ...) shows the data yet")
     if trainer.datamodule is not None:
         return datamodule_shape(trainer.datamodule)
     from lightning_parallel.pipeline.example import first_batch

@@ -46,13 +46,18 @@ _EVALUATE_IN_PLACE = ("Train and evaluate in the same processes: start_method='p
                       "or resume from a checkpoint: trainer.fit(model, ckpt_path='last')")
 
 
-def check_before_workers(strategy: Any, trainer: Optional[Any], args: tuple) -> None:
+def check_before_workers(strategy: Any, trainer: Optional[Any], args: tuple, forks: bool = False) -> None:
     """``strategy.check_launch`` in the launching process; ``args`` are the Trainer call's (a fit's
-    data is attached first when "auto" sizes need its first batch)."""
+    data is attached first when "auto" sizes need its first batch). Workers ``forks``-ed from this
+    process on CUDA choose "auto" sizes themselves: the search reads the device, and CUDA started
+    here would not work in them."""
     if trainer is None:
         return
-    if trainer.state.fn == TrainerFn.FITTING and strategy.searches_layout:
-        attach_fit_data(trainer, args)
+    if strategy.searches_layout:
+        if forks and strategy.root_device.type == "cuda":
+            return
+        if trainer.state.fn == TrainerFn.FITTING:
+            attach_fit_data(trainer, args)
     strategy.check_launch(trainer)
 
 
@@ -79,7 +84,7 @@ class MultiProcessingLauncher(_MultiProcessingLauncher):
             raise RuntimeError(self.weights_left_behind)
         if resumes:
             self._already_fit = False  # everything a second fit needs comes from the checkpoint
-        check_before_workers(self._strategy, trainer, args)
+        check_before_workers(self._strategy, trainer, args, forks=self._start_method == "fork")
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Optional[_WorkerOutput]:
