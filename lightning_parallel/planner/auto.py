@@ -73,8 +73,8 @@ def choose(model: nn.Module, nodes: int, devices_per_node: int, kind: str, repli
 
 def pinned(options: ParallelOptions) -> Fix:
     """The fix that gives every option left to the search its default: no search."""
-    defaults = {name: ParallelOptions.__dataclass_fields__[name].default for name in options.searched}
-    return Fix({f"strategy.{name}": value for name, value in defaults.items()})
+    defaults = options.unsearched()
+    return Fix({f"strategy.{name}": getattr(defaults, name) for name in options.searched})
 
 
 def report(result: SearchResult, top: int = 5) -> str:

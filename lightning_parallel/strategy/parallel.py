@@ -220,8 +220,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         if self.options.is_auto:
             # a data module building the first batch's loader may ask for the mesh meanwhile: it reads the
             # defaults (any DP size gives the batch shape the search reads: a loader's batch_size is per replica)
-            searched, self.options = self.options, self.options.replace(
-                **{name: ParallelOptions.__dataclass_fields__[name].default for name in self.options.searched})
+            searched, self.options = self.options, self.options.unsearched()
             self.layout_search = choose_for(self, trainer, searched)
             self.options = searched.resolved(self.layout_search.best.candidate.layout.options())
 
