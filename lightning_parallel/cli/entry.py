@@ -1,4 +1,5 @@
-"""What every `lp-*` command does first: one entry, shared by `lp-train`, `lp-plan` and `lp-consolidate`.
+"""What every `lp-*` command does first: one entry (``enter_command``), shared by `lp-train`, `lp-plan`,
+`lp-consolidate` and `lp-export`.
 
 - The folder the command runs in is importable, as ``python -m`` makes it: ``_target_:
   my_pkg.MyModule`` finds ``./my_pkg`` under every command, and so does a checkpoint that refers
