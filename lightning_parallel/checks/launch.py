@@ -110,10 +110,10 @@ def check_layout(options: ParallelOptions, num_nodes: int, devices_per_node: int
                       else (1, wanted) if fixed_dp and wanted < devices_per_node else None)
         if allocation is not None:
             lines.append(f"Allocate for the layout:\n{_sbatch_lines(*allocation)}")
-            fixes.append(_allocation(*allocation, "with that allocation"))
-        if world % (tp * pp) == 0:
+            fixes.append(_allocation(*allocation, f"keep tp={tp} pp={pp}"))
+        if world % (tp * pp) == 0:  # data parallelism takes the rest
             fixes.append(Fix({"strategy.data_parallel": world // (tp * pp)},
-                             "keep the allocation: data parallelism takes the rest"))
+                             f"keep {num_nodes} node(s) x {devices_per_node} devices"))
         lines.append(f"Layouts that fit {world} processes with TP inside a node: "
                      f"{', '.join(_layouts(world, devices_per_node)[:10])}" + (":" if fixes else ""))
         raise LaunchError("\n".join(lines), fixes) from None
