@@ -120,9 +120,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     plan = check_launch(cfg)
 
-    from lightning_parallel.cli.quiet import quiet_known_warnings, quiet_resume_warning
-
     from hydra.core.hydra_config import HydraConfig
+
+    from lightning_parallel.cli.quiet import quiet_known_warnings, quiet_resume_warning
 
     # hydra.verbose=true (or naming loggers) asks for Lightning's own notices too
     quiet_known_warnings(banner=HydraConfig.initialized() and bool(HydraConfig.get().verbose))
