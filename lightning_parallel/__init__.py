@@ -4,11 +4,14 @@
     trainer = Trainer(devices=8, strategy=ParallelStrategy(tensor_parallel=2, pipeline_parallel=2))
 
 The strategy names ``lp_dp``, ``lp_tp``, ``lp_pp`` and ``lp_3d`` are registered with Lightning, so
-``Trainer(strategy="lp_dp")`` works too, and a sharded checkpoint directory loads on one device
-(``MyModule.load_from_checkpoint(dir)``, ``Trainer(...).fit(ckpt_path=dir)``) as its consolidated
-file would. Importing this package is cheap: the names below are imported on first use, and
-Lightning (several seconds to import) is only touched once something imports it; the strategy names
-are registered and the checkpoint reader extended at that moment (or at once, if it already is).
+``Trainer(strategy="lp_dp")`` works too, and ``--trainer.strategy=lp_dp`` under ``LightningCLI``; a
+sharded checkpoint directory loads on one device (``MyModule.load_from_checkpoint(dir)``,
+``Trainer(...).fit(ckpt_path=dir)``) as its consolidated file would. Installing the package adds
+``lightning_parallel.pth`` to site-packages, which imports this package when Python starts
+(``build_pth.py``), so a script need not import it. Importing it is cheap: the names below are
+imported on first use, and Lightning (several seconds to import) is only touched once something
+imports it; the strategy names are registered and the checkpoint reader extended at that moment
+(or at once, if it already is).
 """
 
 from __future__ import annotations

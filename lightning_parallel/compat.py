@@ -40,10 +40,11 @@ from torch.utils._pytree import tree_flatten, tree_map  # noqa: F401 - re-export
 #: checked by ``tests/strategy/test_compat.py``.
 OVERRIDDEN = {
     "lightning.pytorch.strategies.Strategy": ("_configure_launcher", "_launcher", "_lightning_module"),
+    "lightning.pytorch.Trainer": ("_data_connector",),
     "lightning.pytorch.strategies.ParallelStrategy": ("_layer_sync",),
     "lightning.pytorch.callbacks.ModelSummary": ("_summary", "_max_depth"),
     "lightning.pytorch.strategies.launchers.multiprocessing._MultiProcessingLauncher": (
-        "_collect_rank_zero_results", "_recover_results_in_main_process", "_already_fit", "_strategy",
+        "_collect_rank_zero_results", "_recover_results_in_main_process", "_already_fit", "_strategy", "_start_method",
     ),
 }
 
@@ -73,6 +74,18 @@ def replace_summary(callback: Any, summary: Any) -> None:
 def loop_data_source(trainer: Any, loop_name: str) -> Any:
     """The data source (``_DataConnectorSource``) of ``trainer.<loop_name>``, before its loaders exist."""
     return getattr(trainer, loop_name)._data_source
+
+
+def attach_fit_data(trainer: Any, fit_args: tuple) -> None:
+    """Attach ``Trainer.fit``'s data to ``trainer`` as ``Trainer._fit_impl`` does first (it does so again
+    later), so that the launching process can read the first batch before any worker starts."""
+    model, train_dataloaders, val_dataloaders, datamodule = (list(fit_args) + [None] * 4)[:4]
+    from lightning.pytorch import LightningDataModule
+
+    if isinstance(train_dataloaders, LightningDataModule):  # fit(model, datamodule) given positionally
+        datamodule, train_dataloaders = train_dataloaders, None
+    trainer._data_connector.attach_data(model, train_dataloaders=train_dataloaders, val_dataloaders=val_dataloaders,
+                                        datamodule=datamodule)
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:

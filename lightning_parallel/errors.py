@@ -14,13 +14,95 @@ Each message states the constraint that was violated and what would work. Catch
   loaded into.
 
 Configuration and model errors are also ``ValueError``s, as they were before the family existed.
+
+An error may carry its fixes as data (``Fix``): settings named by their place in `lp-train`'s
+config (``strategy.tensor_parallel``, ``trainer.devices``, ``data.batch_size``). ``str()`` writes
+them as Hydra overrides; ``in_language`` writes them otherwise, e.g. as the Python arguments of the
+strategy a script built (``python_arguments``); `lp-train` and `lp-plan` print each as a whole
+command line, tried first (``cli/suggest.py``).
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+# a string that Hydra's override grammar reads back as the same string without quotes
+_PLAIN = re.compile(r"[A-Za-z0-9_./:-]*[A-Za-z_./:-][A-Za-z0-9_./:-]*")
+
+
+@dataclass(frozen=True)
+class Fix:
+    """Settings that make a refused launch pass, by their place in the config, and what they keep."""
+
+    settings: Mapping[str, Any]
+    why: str = ""
+
+
+def hydra_value(value: Any) -> str:
+    """``value`` in Hydra's override grammar (``null``, ``true``, ``[3,5]``, ``'a b'``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ",".join(f"{k}:{hydra_value(v)}" for k, v in value.items()) + "}"
+    text = str(value)
+    if _PLAIN.fullmatch(text) and text.lower() not in ("null", "true", "false"):
+        return text
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def as_overrides(fix: Fix) -> str:
+    """``strategy.tensor_parallel=1 trainer.devices=4``."""
+    return " ".join(f"{key}={hydra_value(value)}" for key, value in fix.settings.items())
+
+
+def python_arguments(strategy_class: str) -> Callable[[Fix], Optional[str]]:
+    """The writer for a script: ``ParallelStrategy(tensor_parallel=1)``, ``Trainer(devices=4)``; None
+    for a fix that names a setting a script does not pass as an argument (``data.batch_size``)."""
+
+    def write(fix: Fix) -> Optional[str]:
+        calls: dict[str, list[str]] = {}
+        for key, value in fix.settings.items():
+            owner, _, name = key.partition(".")
+            if owner not in ("strategy", "trainer") or not name:
+                return None
+            calls.setdefault(strategy_class if owner == "strategy" else "Trainer", []).append(f"{name}={value!r}")
+        return ", ".join(f"{call}({', '.join(args)})" for call, args in calls.items())
+
+    return write
+
+
+def with_fixes(problem: str, fixes: Sequence[Fix], write: Callable[[Fix], Optional[str]] = as_overrides) -> str:
+    """``problem``, then one indented line per fix ``write`` can write, its ``why`` as a comment."""
+    lines = [problem]
+    for fix in fixes:
+        text = write(fix)
+        if text is not None:
+            lines.append(f"    {text}" + (f"   # {fix.why}" if fix.why else ""))
+    return "\n".join(lines)
+
 
 class LightningParallelError(Exception):
-    """Base class of the package's errors; the message says what to change."""
+    """Base class of the package's errors; the message says what to change, ``fixes`` (if any) how."""
+
+    def __init__(self, problem: str = "", fixes: Sequence[Fix] = ()) -> None:
+        self.problem = problem
+        self.fixes = list(fixes)
+        super().__init__(with_fixes(problem, self.fixes))
+
+    def in_language(self, write: Callable[[Fix], Optional[str]]) -> "LightningParallelError":
+        """The same error (same class) with its fixes written by ``write``."""
+        other = type(self)(self.problem, self.fixes)
+        other.args = (with_fixes(self.problem, self.fixes, write),)
+        return other
 
 
 class ConfigurationError(LightningParallelError, ValueError):

@@ -152,6 +152,10 @@ class ParallelOptions:
         """A copy with ``changes`` (validated again)."""
         return dataclasses.replace(self, **changes)
 
+    def unsearched(self) -> "ParallelOptions":
+        """A copy with every option given as ``"auto"`` at its default: the layout without a search."""
+        return self.replace(**{name: ParallelOptions.__dataclass_fields__[name].default for name in self.searched})
+
     def resolved(self, chosen: Mapping[str, Any]) -> "ParallelOptions":
         """The options with the planner's choice (``planner.space.Layout.options()``) filled in."""
         return self.replace(**chosen)

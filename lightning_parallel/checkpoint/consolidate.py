@@ -1,4 +1,4 @@
-"""``lp-consolidate``: a sharded checkpoint directory -> one plain Lightning checkpoint file.
+"""A sharded checkpoint directory -> one plain Lightning checkpoint file (the command: ``cli/consolidate.py``).
 
 The output is what a single-device run would have saved: full tensors under the model's own
 names and optimizer states in ``configure_optimizers`` order, so the unchanged module loads it
@@ -12,7 +12,6 @@ directories alike.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any, Optional
 
@@ -21,7 +20,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_parallel.checkpoint import dcp
-from lightning_parallel.checkpoint.atomic import MARKER, IncompleteCheckpointError
+from lightning_parallel.checkpoint.atomic import MARKER
 from lightning_parallel.checkpoint.format import (
     Piece,
     full_optimizer_state,
@@ -113,21 +112,3 @@ def load_directory(path: Path, map_location: Any = None, weights_only: Optional[
         checkpoint = move_data_to_device(checkpoint, map_location)
     return checkpoint
 
-
-def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="lp-consolidate", description="Turn a sharded checkpoint directory into one plain Lightning checkpoint."
-    )
-    parser.add_argument("checkpoint", type=Path, help="sharded checkpoint directory written by ParallelStrategy")
-    parser.add_argument("output", type=Path, help="plain .ckpt file to write")
-    args = parser.parse_args(argv)
-    try:
-        checkpoint = consolidate(args.checkpoint)
-    except (IncompleteCheckpointError, ValueError) as err:
-        parser.exit(2, f"lp-consolidate: {err}\n")
-    torch.save(checkpoint, args.output)
-    print(f"wrote {args.output}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Launch checks that catch a bad layout before a job waits in the queue or starts a collective.
 
-Three kinds of mistakes, each refused with the lines that would fix it:
+Three kinds of mistakes, each refused with the settings that would fix it (``errors.Fix``):
 
 1. the SLURM allocation (``--nodes``, ``--ntasks-per-node``) differs from the Trainer's
    ``num_nodes`` x ``devices``, or uses ``-n`` alone (Lightning needs ``--ntasks-per-node``);
@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from lightning_parallel.checks.model import check_model, check_training_mode
-from lightning_parallel.errors import LaunchError
+from lightning_parallel.errors import Fix, LaunchError
 from lightning_parallel.mesh import MeshError, ParallelMesh
 from lightning_parallel.options import ParallelOptions
 from lightning_parallel.tensor_parallel.resolve import divisors
@@ -32,12 +32,12 @@ from lightning_parallel.tensor_parallel.resolve import divisors
 _INTERACTIVE_JOB_NAMES = ("bash", "interactive")
 
 
-def _allocation_lines(nodes: int, tasks_per_node: int) -> str:
-    return (
-        f"    #SBATCH --nodes={nodes}\n"
-        f"    #SBATCH --ntasks-per-node={tasks_per_node}\n"
-        f"    trainer.num_nodes={nodes} trainer.devices={tasks_per_node}"
-    )
+def _sbatch_lines(nodes: int, tasks_per_node: int) -> str:
+    return f"    #SBATCH --nodes={nodes}\n    #SBATCH --ntasks-per-node={tasks_per_node}"
+
+
+def _allocation(nodes: int, tasks_per_node: int, why: str = "") -> Fix:
+    return Fix({"trainer.num_nodes": nodes, "trainer.devices": tasks_per_node}, why)
 
 
 def slurm_allocation(env: Mapping[str, str] = os.environ) -> tuple[int, int] | None:
@@ -56,9 +56,11 @@ def slurm_allocation(env: Mapping[str, str] = os.environ) -> tuple[int, int] | N
     nodes = int(env["SLURM_NNODES"])
     if "SLURM_NTASKS_PER_NODE" not in env:
         tasks = int(env.get("SLURM_NTASKS", nodes))
+        per_node = max(1, tasks // nodes)
         raise LaunchError(
             f"the job sets --ntasks={tasks} without --ntasks-per-node, which Lightning rejects; allocate "
-            f"one task per device per node instead:\n{_allocation_lines(nodes, max(1, tasks // nodes))}"
+            f"one task per device per node instead:\n{_sbatch_lines(nodes, per_node)}",
+            [_allocation(nodes, per_node)],
         )
     return nodes, int(env["SLURM_NTASKS_PER_NODE"])
 
@@ -72,8 +74,9 @@ def check_allocation(num_nodes: int, devices_per_node: int, env: Mapping[str, st
     raise LaunchError(
         f"SLURM allocated {nodes} node(s) x {tasks} task(s) per node, but the Trainer asks for "
         f"num_nodes={num_nodes} x devices={devices_per_node}. Either submit with\n"
-        f"{_allocation_lines(num_nodes, devices_per_node)}\n"
-        f"or train on what was allocated:\n    trainer.num_nodes={nodes} trainer.devices={tasks}"
+        f"{_sbatch_lines(num_nodes, devices_per_node)}\n"
+        f"or train on what was allocated:",
+        [_allocation(nodes, tasks, "what SLURM allocated")],
     )
 
 
@@ -102,22 +105,26 @@ def check_layout(options: ParallelOptions, num_nodes: int, devices_per_node: int
             + (f"needs {wanted} processes" if fixed_dp else f"needs a multiple of {tp * pp} processes")
             + f", but the allocation has {num_nodes} node(s) x {devices_per_node} = {world}."
         ]
-        if fixed_dp and wanted % devices_per_node == 0:
-            lines.append(f"Allocate for the layout:\n{_allocation_lines(wanted // devices_per_node, devices_per_node)}")
-        elif fixed_dp and wanted < devices_per_node:
-            lines.append(f"Allocate for the layout:\n{_allocation_lines(1, wanted)}")
-        if world % (tp * pp) == 0:
-            lines.append(f"Or keep the allocation and let data parallelism take the rest:\n    strategy.data_parallel={world // (tp * pp)}")
-        lines.append(f"Layouts that fit {world} processes with TP inside a node: {', '.join(_layouts(world, devices_per_node)[:10])}")
-        raise LaunchError("\n".join(lines)) from None
+        fixes = []
+        allocation = ((wanted // devices_per_node, devices_per_node) if fixed_dp and wanted % devices_per_node == 0
+                      else (1, wanted) if fixed_dp and wanted < devices_per_node else None)
+        if allocation is not None:
+            lines.append(f"Allocate for the layout:\n{_sbatch_lines(*allocation)}")
+            fixes.append(_allocation(*allocation, f"keep tp={tp} pp={pp}"))
+        if world % (tp * pp) == 0:  # data parallelism takes the rest
+            fixes.append(Fix({"strategy.data_parallel": world // (tp * pp)},
+                             f"keep {num_nodes} node(s) x {devices_per_node} devices"))
+        lines.append(f"Layouts that fit {world} processes with TP inside a node: "
+                     f"{', '.join(_layouts(world, devices_per_node)[:10])}" + (":" if fixes else ""))
+        raise LaunchError("\n".join(lines), fixes) from None
     if devices_per_node % tp:
         fitting = [t for t in divisors(devices_per_node) if world % (t * pp) == 0]
         best = max(t for t in fitting if t <= tp)
         raise LaunchError(
             f"tensor_parallel={tp} does not divide the {devices_per_node} devices per node, so a tensor "
             f"parallel group would span two nodes (every layer all-reduces within it). Use a TP size that "
-            f"divides {devices_per_node} ({', '.join(map(str, fitting))}), e.g.\n"
-            f"    strategy.tensor_parallel={best} strategy.data_parallel={world // (best * pp)}"
+            f"divides {devices_per_node} ({', '.join(map(str, fitting))}), e.g.",
+            [Fix({"strategy.tensor_parallel": best, "strategy.data_parallel": world // (best * pp)})],
         )
     return mesh
 

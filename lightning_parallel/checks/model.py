@@ -7,14 +7,14 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from lightning_parallel.errors import LaunchError
+from lightning_parallel.errors import Fix, LaunchError
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline.errors import (
     PipelineConfigError,
     PipelineIncompatibleModel,
 )
-from lightning_parallel.pipeline.partition import StagePlan, find_blocks, plan_stages
+from lightning_parallel.pipeline.partition import StagePlan, block_lists, find_blocks, plan_stages
 from lightning_parallel.pipeline.placement import placement_of
 from lightning_parallel.tensor_parallel.detect import detect_plan
 from lightning_parallel.tensor_parallel.plan import TensorParallelError, parse_plan
@@ -29,8 +29,9 @@ def check_model(model: nn.Module, mesh: ParallelMesh,
                 options: ParallelOptions) -> tuple[list[Assignment], StagePlan | None]:
     """The TP assignments and pipeline stages of ``model`` on ``mesh`` with ``options`` (its TP plan,
     sequence parallelism, pipeline blocks and layout, stages placed as its schedule runs them, see
-    ``pipeline.placement``); refuses sizes the model does not divide, naming the sizes that would
-    work. Works on a model built on the meta device."""
+    ``pipeline.placement``); refuses sizes the model does not divide, with the sizes that would work
+    (or, for a block list it does not find, the model's own lists that would) as fixes. Works on a
+    model built on the meta device."""
     tp_plan, sequence_parallel, pipeline_blocks = options.tp_plan, options.sequence_parallel, options.pipeline_blocks
     virtual_stages, pipeline_layout = options.chunks, options.pipeline_layout
     assignments: list[Assignment] = []
@@ -40,30 +41,50 @@ def check_model(model: nn.Module, mesh: ParallelMesh,
         except TensorParallelError as err:
             fits = [
                 t for t in divisors(mesh.world_size)
-                if t < mesh.tp_size and _tp_fits(model, t, tp_plan, sequence_parallel)
+                if t < mesh.tp_size and (t == 1 and tp_plan is None or _tp_fits(model, t, tp_plan, sequence_parallel))
             ]
             # a plan that fits no size (a glob that names no module, an unknown style) has its own fix
-            hint = (f"\nTP sizes this model and world allow: {fits}, e.g.\n"
-                    f"    strategy.tensor_parallel={max(fits)} strategy.data_parallel=auto") if fits else ""
-            raise LaunchError(f"{err}{hint}") from None
+            if not fits:
+                raise LaunchError(str(err)) from None
+            fix = (Fix({"strategy.tensor_parallel": 1}, "data parallelism only") if fits == [1] else
+                   Fix({"strategy.tensor_parallel": max(fits), "strategy.data_parallel": "auto"}))
+            raise LaunchError(f"{err}\nTP sizes this model and world allow: {fits}, e.g.", [fix]) from None
+
+    def stages(blocks: str | None) -> StagePlan:
+        return plan_stages(model, mesh.pp_size, virtual_stages, blocks, pipeline_layout,
+                           placement=placement_of(options.schedule_name))
+
     try:
         blocks = len(find_blocks(model, pipeline_blocks)[1])
     except (PipelineIncompatibleModel, PipelineConfigError) as err:
         if mesh.pp_size == 1:
             return assignments, None
-        raise LaunchError(f"{err}; or train without pipelining:\n    strategy.pipeline_parallel=1") from None
+        fixes = [Fix({"strategy.pipeline_blocks": path}) for path in block_lists(model, pipeline_blocks)
+                 if _splits(stages, path)][:3]
+        fixes.append(Fix({"strategy.pipeline_parallel": 1}, "train without pipelining"))
+        lead = "block lists of this model that split into the stages, or train without pipelining:"
+        raise LaunchError(f"{err}; {lead if len(fixes) > 1 else 'or train without pipelining:'}", fixes) from None
     try:
-        stages = plan_stages(model, mesh.pp_size, virtual_stages, pipeline_blocks, pipeline_layout,
-                             placement=placement_of(options.schedule_name))
+        plan = stages(pipeline_blocks)
     except PipelineConfigError as err:
         if pipeline_layout is not None:  # the message already gives a layout that works
             raise LaunchError(str(err)) from None
         fits = [p for p in divisors(mesh.world_size // mesh.tp_size) if p * virtual_stages <= blocks]
-        hint = (f". Pipeline sizes that fit the model and the world: {fits}, e.g.\n"
-                f"    strategy.pipeline_parallel={max(fits)} strategy.data_parallel=auto") if fits else (
-                "; or train without pipelining:\n    strategy.pipeline_parallel=1")
-        raise LaunchError(f"{err}{hint}") from None
-    return assignments, stages
+        if fits and max(fits) > 1:
+            raise LaunchError(f"{err}. Pipeline sizes that fit the model and the world: {fits}, e.g.",
+                              [Fix({"strategy.pipeline_parallel": max(fits), "strategy.data_parallel": "auto"})]
+                              ) from None
+        raise LaunchError(f"{err}; or train without pipelining:", [Fix({"strategy.pipeline_parallel": 1})]) from None
+    return assignments, plan
+
+
+def _splits(stages, blocks: str) -> bool:
+    """Whether ``stages(blocks)`` plans a pipeline with ``blocks`` as the block list."""
+    try:
+        stages(blocks)
+    except (PipelineIncompatibleModel, PipelineConfigError):
+        return False
+    return True
 
 
 def _tp_assignments(model: nn.Module, tp: int, tp_plan: Mapping | None, sequence_parallel: bool) -> list[Assignment]:
@@ -92,11 +113,12 @@ def check_training_mode(model: nn.Module, pipeline_parallel: int, automatic_opti
             "support: the pipeline runs forward and backward of every micro-batch itself, inside training_step, "
             "so manual_backward and optimizer.step() calls there have no gradients to act on. Return the loss "
             "from training_step and let Lightning optimise (automatic_optimization = True), or train without "
-            "pipelining (data and tensor parallelism support manual optimisation):\n"
-            "    strategy.pipeline_parallel=1"
+            "pipelining (data and tensor parallelism support manual optimisation):",
+            [Fix({"strategy.pipeline_parallel": 1})],
         )
     if loss_scaler:
         raise LaunchError(
             f"{name}: precision '16-mixed' needs a loss scaler, which pipeline_parallel={pipeline_parallel} does "
-            "not apply; train in bfloat16 or float32:\n    trainer.precision=bf16-mixed"
+            "not apply; train in bfloat16 or float32:",
+            [Fix({"trainer.precision": "bf16-mixed"})],
         )

@@ -3,7 +3,7 @@
 `lp-train` and `lp-plan` run these first: pipeline options (``micro_batches >= 1``, a known
 schedule), and the files the config names (``ckpt_path``, ``data.path``). Each error states the
 violated constraint and the override that fixes it. Layout and model checks, which need torch and
-the model, follow in ``plan_cli.build_plan``.
+the model, follow in ``cli/plan.py``'s ``build_plan``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_parallel.errors import ConfigurationError
+from lightning_parallel.errors import ConfigurationError, Fix
 from lightning_parallel.options import ParallelOptions
 
 # ckpt_path values Lightning resolves itself rather than reading a file
@@ -49,19 +49,20 @@ def check_config(cfg: DictConfig) -> None:
     if micro is not None and int(micro) < 1:
         raise ConfigurationError(
             f"strategy.micro_batches={micro}: a pipeline needs at least one micro-batch per batch; give a "
-            f"number >= 1, or null for one per stage:\n    strategy.micro_batches=null"
+            f"number >= 1, or null for one per stage:", [Fix({"strategy.micro_batches": None})]
         )
     ckpt = cfg.get("ckpt_path")
     if ckpt is not None and str(ckpt) not in _LIGHTNING_CKPT_NAMES and not Path(str(ckpt)).exists():
         raise ConfigurationError(
             f"ckpt_path={ckpt} does not exist (relative paths start from {os.getcwd()}); give the checkpoint "
-            "file or sharded checkpoint folder to resume from, e.g.\n    ckpt_path=outputs/<date>/<time>/checkpoints/last.ckpt"
+            "file or sharded checkpoint folder to resume from (e.g. ckpt_path=outputs/<date>/<time>/checkpoints/"
+            "last.ckpt), or start afresh:", [Fix({"ckpt_path": None})]
         )
     data_path = cfg.data.get("path") if isinstance(cfg.get("data"), DictConfig) else None
     if data_path is not None and not Path(str(data_path)).exists():
         raise ConfigurationError(
             f"data.path={data_path} does not exist (relative paths start from {os.getcwd()}); give a text "
-            "file or a folder of text files, or null for the bundled corpus:\n    data.path=null"
+            "file or a folder of text files, or null for the bundled corpus:", [Fix({"data.path": None})]
         )
     schedule = options.get("schedule")
     if schedule is None or schedule == "auto":  # "auto": chosen with the layout (planner/auto.py)
@@ -74,5 +75,5 @@ def check_config(cfg: DictConfig) -> None:
         nearest = (difflib.get_close_matches(str(schedule), SCHEDULES, n=1, cutoff=0.0) or list(SCHEDULES))[0]
         raise ConfigurationError(
             f"strategy.schedule={schedule!r} is not a pipeline schedule; the schedules are "
-            f"{', '.join(SCHEDULES)}, e.g.\n    strategy.schedule={nearest}"
+            f"{', '.join(SCHEDULES)}, e.g.", [Fix({"strategy.schedule": nearest})]
         )

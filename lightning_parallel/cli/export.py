@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from lightning_parallel.checkpoint.export import export
+from lightning_parallel.cli.entry import enter_command
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -31,6 +32,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help="fold the LoRA adapters into the base weights and write a plain model folder")
     parser.add_argument("--max-shard-size", help="largest safetensors file, e.g. 5GB (default: save_pretrained's)")
     args = parser.parse_args(argv)
+    enter_command("lp-export")  # the checkpoint may name classes of the folder it runs in
     try:
         message = export(args.checkpoint, args.output, module=args.module, config=args.config, merge=args.merge,
                          max_shard_size=args.max_shard_size)

@@ -1,10 +1,10 @@
-"""Command-line overrides of `lp-train` and `lp-plan`: composing them, and naming a mistyped key.
+"""Command-line overrides of `lp-train` and `lp-plan`: composing them, and finding a mistyped key.
 
 Hydra answers `trainer.max_step=10` with "Key 'max_step' is not in struct ... To append to your
 config use +trainer.max_step=10", which invites the user to add a key no code reads. This module
 finds the override that fails, and when it names a key that is one edit away from an existing
-one, answers "did you mean trainer.max_steps" instead. Imports only Hydra, so it runs before
-anything slow.
+one, gives the overrides with that key instead (``cli/entry.py`` answers "did you mean"). Imports
+only Hydra, so it runs before anything slow.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from hydra.errors import ConfigCompositionException, HydraException
 from omegaconf import DictConfig
 
 
-def compose_config(overrides: list[str]) -> DictConfig:
-    """The `lp-train` config with ``overrides``; inside a running Hydra app, with that app's search path."""
+def compose_config(overrides: list[str], with_hydra: bool = False) -> DictConfig:
+    """The `lp-train` config with ``overrides`` (and the ``hydra`` node, which names the option chosen
+    in each group, if ``with_hydra``); inside a running Hydra app, with that app's search path."""
     if GlobalHydra.instance().is_initialized():
-        return compose("train", overrides=overrides)
+        return compose("train", overrides=overrides, return_hydra_config=with_hydra)
     with initialize_config_module("lightning_parallel.conf", version_base="1.3"):
-        return compose("train", overrides=overrides)
+        return compose("train", overrides=overrides, return_hydra_config=with_hydra)
 
 
 def nearest_key(cfg: DictConfig, key: str) -> Optional[str]:
@@ -41,25 +42,27 @@ def nearest_key(cfg: DictConfig, key: str) -> Optional[str]:
     return None
 
 
-def _plain_overrides(argv: list[str]) -> Optional[list[str]]:
-    """The overrides of an ordinary run; None for flags that change what is composed or run."""
+def split_flags(argv: list[str]) -> Optional[tuple[list[str], list[str]]]:
+    """``(flags, overrides)`` of an ordinary run (``--cfg job`` counts as a flag); None for flags that
+    change what is composed or run (``--multirun``, ``--config-dir``, ...)."""
     if any(a.startswith("-") and a not in ("--cfg", "-c") for a in argv):
         return None
-    overrides = list(argv)
+    flags, overrides = [], list(argv)
     for flag in ("--cfg", "-c"):
         if flag in overrides:
             at = overrides.index(flag)
+            flags += overrides[at : at + 2]
             del overrides[at : at + 2]
-    return overrides
+    return flags, overrides
 
 
-def suggest_for_unknown_keys(argv: list[str]) -> Optional[str]:
-    """A "did you mean" message when an override sets a key the config lacks; None otherwise.
+def mistyped_key(overrides: list[str]) -> Optional[tuple[str, str, list[str]]]:
+    """``(key, nearest key, overrides with it)`` when an override sets a key the config lacks and
+    another is one edit or so away; None otherwise.
 
     Composes the config (a fraction of a second); only when that fails is the failing override
     looked for, one composition per override.
     """
-    overrides = _plain_overrides(argv)
     if not overrides:
         return None
     try:
@@ -82,7 +85,5 @@ def suggest_for_unknown_keys(argv: list[str]) -> Optional[str]:
         match = nearest_key(compose_config(overrides[:i]), key)
         if match is None:  # the key exists and the value is wrong, or nothing is near: Hydra explains
             return None
-        fixed = overrides[i].replace(key, match, 1)
-        return (f"{key} is not a key of the config; did you mean {match}?\n    {fixed}\n"
-                f"(to add a key the config does not have, on purpose: +{overrides[i]})")
+        return key, match, [*overrides[:i], overrides[i].replace(key, match, 1), *overrides[i + 1 :]]
     return None

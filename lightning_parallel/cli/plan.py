@@ -6,7 +6,7 @@
             --tflops 400 --intra-bandwidth 200 --inter-bandwidth 25 --global-batch 64
 
 The report shows the mesh (the global ranks of every TP, PP and DP group, and the node of each
-rank), the blocks of every pipeline stage, and the memory per device from `estimate.py`. It
+rank), the blocks of every pipeline stage, and the memory per device from `planner/estimate.py`. It
 refuses, with the corrected `#SBATCH` lines and overrides, a layout that does not fit the
 allocation, a TP group that spans nodes, or sizes the model does not divide (`checks/`).
 Inside a SLURM job it checks the real allocation too, so the sbatch script runs it before `srun`.
@@ -18,9 +18,14 @@ bytes moved, and why the first wins. Rates not given as flags are measured on th
 few seconds (``planner/calibrate.py``). A config with ``strategy=auto`` is planned as the strategy
 will plan it at setup.
 
-Every fix printed is verified first: the config with the suggested overrides is composed again
-and passes the same checks (`verified_fixes`). `lp-train` runs `check_launch` in the launching
-process, so the mistakes found here stop a run before any rank starts.
+The batch shape (for the memory estimate, the micro-batch check and the search) is read from the
+data the run will use (``planner/batch.py``): the data config's ``batch_size`` and ``block_size``,
+else the first batch of the data module's training loader.
+
+Every fix printed is a whole command line, tried first: the user's overrides with the fix merged
+in, composed again and passing the same checks (``cli/suggest.py``). `lp-train` runs
+`check_launch` in the launching process, so the mistakes found here stop a run before any rank
+starts.
 """
 
 from __future__ import annotations
@@ -28,26 +33,28 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import sys
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Optional
 
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lightning_parallel.checks.launch import check_allocation, check_layout
 from lightning_parallel.checks.model import check_model
 from lightning_parallel.cli.config_checks import check_config, parallel_options
+from lightning_parallel.cli.entry import enter_command
 from lightning_parallel.cli.overrides import compose_config
-from lightning_parallel.errors import ConfigurationError, LaunchError
+from lightning_parallel.cli.suggest import command_line, explained, has_key, with_settings
+from lightning_parallel.errors import ConfigurationError, Fix, LaunchError, LightningParallelError
 from lightning_parallel.mesh import ParallelMesh
-from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline.partition import StagePlan
 from lightning_parallel.planner import (
     Cluster,
@@ -57,7 +64,8 @@ from lightning_parallel.planner import (
     Workload,
     search,
 )
-from lightning_parallel.planner.auto import choose, device_memory, report
+from lightning_parallel.planner.auto import choose, device_memory, pinned, report
+from lightning_parallel.planner.batch import BatchShapeUnknown, argument_shape, datamodule_shape
 from lightning_parallel.planner.calibrate import measure, nominal
 from lightning_parallel.planner.estimate import (
     RankMemory,
@@ -88,6 +96,8 @@ class LaunchPlan:
     tp_plan: dict[str, int] = field(default_factory=dict)
     # strategy=auto: the ranked layouts the strategy will choose from
     search: SearchResult | None = None
+    # why the memory is not estimated (the batch shape unknown, no block list), or None
+    memory_left_out: str | None = None
 
 
 def build_plan(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> LaunchPlan:
@@ -101,34 +111,37 @@ def build_plan(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> LaunchPl
     options = parallel_options(cfg)
     num_nodes, devices = int(cfg.trainer.num_nodes), int(cfg.trainer.devices)
     check_allocation(num_nodes, devices, env)
-    model, searched = None, None
+    model, searched, shape, unknown = None, None, None, None
+    try:
+        shape = data_batch_shape(cfg)
+    except BatchShapeUnknown as err:
+        unknown = str(err)
     if options.is_auto:  # the layout the strategy will choose at setup
         model = _meta_model(cfg)
-        searched = _auto_search(cfg, model, options, num_nodes, devices)
+        if shape is None:
+            raise LaunchError(f"strategy=auto chooses the layout for the model and its batch shape, but {unknown}; "
+                              "give the sizes instead, e.g.", [pinned(options)])
+        searched = choose(model, num_nodes, devices, device_kind(cfg.trainer.accelerator), shape[0], shape[1],
+                          str(cfg.trainer.precision), options)
         options = options.resolved(searched.best.candidate.layout.options())
     mesh = check_layout(options, num_nodes, devices)
     if model is None:
         model = _meta_model(cfg)
-    schedule = options.schedule_name
     assignments, stages = check_model(model, mesh, options)
     micro_batches = options.micro_batches or mesh.pp_size
-    # a data module of the user's own may have neither; then only the layout is checked
-    batch, seq = cfg.data.get("batch_size"), cfg.data.get("block_size")
-    if batch is not None and int(batch) % micro_batches:
-        batch = int(batch)
-        raise LaunchError(
-            f"data.batch_size={batch} (per replica) is not divisible by micro_batches={micro_batches}; "
-            f"use a batch size that is a multiple of it, e.g.\n    data.batch_size={batch - batch % micro_batches or micro_batches}"
-        )
+    if shape is not None and shape[0] % micro_batches:
+        _refuse_micro_batches(shape[0], micro_batches)
     memory = []
-    if stages is not None and batch is not None and seq is not None:
+    if stages is None:
+        unknown = f"{type(model).__name__} has no list of repeated blocks for the estimate to count"
+    elif shape is not None:
+        batch, seq = shape
         memory = estimate_memory(
-            model, stages, tp_sharded_parameters(assignments), mesh.tp_size, int(seq), int(batch) // micro_batches,
-            micro_batches, schedule, options.sequence_parallel,
+            model, stages, tp_sharded_parameters(assignments), mesh.tp_size, seq, batch // micro_batches,
+            micro_batches, options.schedule_name, options.sequence_parallel,
             cfg.trainer.precision,
         )
     accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1))
-    known = batch is not None and seq is not None
     return LaunchPlan(
         model_name=type(model).__name__,
         parameters=count_parameters(model),
@@ -139,11 +152,35 @@ def build_plan(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> LaunchPl
         stages=stages,
         memory=memory,
         micro_batches=micro_batches,
-        micro_batch_size=int(batch) // micro_batches if batch is not None else None,
-        tokens_per_step=int(batch) * int(seq) * mesh.dp_size * accumulate if known else None,
+        micro_batch_size=shape[0] // micro_batches if shape is not None else None,
+        tokens_per_step=shape[0] * shape[1] * mesh.dp_size * accumulate if shape is not None else None,
         tp_plan=dict(Counter(f"{a.glob}: {a.entry.style}" for a in assignments if a.entry.style)),
         search=searched,
+        memory_left_out=None if memory else unknown,
     )
+
+
+def _refuse_micro_batches(batch: int, micro_batches: int) -> None:
+    fewer = max(d for d in divisors(batch) if d <= micro_batches)
+    raise LaunchError(
+        f"the batch of {batch} sequences (per replica) is not divisible by micro_batches={micro_batches}; use a "
+        f"batch size that is a multiple of it, or fewer micro-batches, e.g.",
+        [Fix({"data.batch_size": batch - batch % micro_batches or micro_batches}),
+         Fix({"strategy.micro_batches": fewer})],
+    )
+
+
+def data_batch_shape(cfg: DictConfig) -> tuple[int, int]:
+    """The batch shape of the run (``planner/batch.py``): the data config's ``batch_size`` and
+    ``block_size``, else the first batch of the data module's training loader. Raises
+    ``BatchShapeUnknown``."""
+    return argument_shape(cfg.data) or _loader_shape(OmegaConf.to_yaml(cfg.data, resolve=True))
+
+
+@lru_cache(maxsize=4)
+def _loader_shape(data_config: str) -> tuple[int, int]:
+    # once per data config: the fixes tried before printing change the layout, not the data
+    return datamodule_shape(instantiate(OmegaConf.create(data_config), _convert_="all"))
 
 
 def _meta_model(cfg: DictConfig) -> nn.Module:
@@ -168,88 +205,51 @@ def device_kind(accelerator) -> str:
     return "cuda" if str(accelerator) == "auto" and torch.cuda.is_available() else "cpu"
 
 
-def _auto_search(cfg: DictConfig, model: nn.Module, options: ParallelOptions, nodes: int,
-                 devices: int) -> SearchResult:
-    batch, seq = cfg.data.get("batch_size"), cfg.data.get("block_size")
-    if batch is None or seq is None:
-        raise ConfigurationError(
-            "strategy=auto sizes the layout from the batch: the data config needs batch_size (per replica) and "
-            "block_size (tokens per sequence), e.g.\n    +data.batch_size=8 +data.block_size=512"
-        )
-    return choose(model, nodes, devices, device_kind(cfg.trainer.accelerator), int(batch), int(seq),
-                  str(cfg.trainer.precision), options)
-
-
 def _closest_first(values: list[int], target: int) -> list[int]:
     return sorted(values, key=lambda v: (abs(math.log(v / target)), -v))
 
 
-def _candidate_fixes(cfg: DictConfig) -> list[tuple[str, list[str]]]:
-    """(what it changes, overrides) pairs to try, the nearest to what was asked first."""
+def _candidate_fixes(cfg: DictConfig) -> list[Fix]:
+    """Other layouts of the launch, the nearest to what was asked first."""
     options = parallel_options(cfg)
     nodes, devices = int(cfg.trainer.num_nodes), int(cfg.trainer.devices)
     world = nodes * devices
-    tp, pp = options.tp, options.pp
+    tp, pp, dp = options.tp, options.pp, options.data_parallel
     strategy = cfg.get("strategy") if isinstance(cfg.get("strategy"), DictConfig) else {}
-
-    def key(name: str, value) -> str:
-        return f"{'' if name in strategy else '+'}strategy.{name}={value}"
-
-    dp = options.data_parallel
     fixes = []
     for t in _closest_first(divisors(devices), tp):  # keep the allocation, change the layout
         for p in _closest_first(divisors(world // t), pp):
-            overrides = [key(name, v) for name, v, now in (("tensor_parallel", t, tp), ("pipeline_parallel", p, pp))
-                         if v != now]
-            if "data_parallel" in strategy and (overrides or str(dp) != str(world // (t * p))):
-                overrides.append(key("data_parallel", world // (t * p)))  # first: only the DP size changes
-            if overrides:
-                fixes.append((f"keep {nodes} node(s) x {devices} devices", overrides))
+            settings = {f"strategy.{name}": v for name, v, now in (("tensor_parallel", t, tp), ("pipeline_parallel", p, pp))
+                        if v != now}
+            if "data_parallel" in strategy and (settings or str(dp) != str(world // (t * p))):
+                settings["strategy.data_parallel"] = world // (t * p)  # first: only the DP size changes
+            if settings:
+                fixes.append(Fix(settings, f"keep {nodes} node(s) x {devices} devices"))
     wanted = tp * pp * (int(dp) if str(dp).isdigit() else max(1, world // (tp * pp)))
     per_node = [d for d in divisors(wanted) if d % tp == 0]  # keep the layout, change the allocation
     for d in _closest_first(per_node, devices) if per_node else []:
-        fixes.append((f"keep tp={tp} pp={pp}", [f"trainer.num_nodes={wanted // d}", f"trainer.devices={d}"]))
+        fixes.append(Fix({"trainer.num_nodes": wanted // d, "trainer.devices": d}, f"keep tp={tp} pp={pp}"))
     return fixes
 
 
-def verified_fixes(overrides: list[str], cfg: DictConfig, limit: int = 3) -> list[tuple[str, list[str]]]:
-    """Fixes for a launch that fails, each one composed with ``overrides`` and passing ``build_plan``."""
-    found, kinds = [], Counter()
-    for kind, fix in _candidate_fixes(cfg):
-        if kinds[kind] >= limit:
-            continue
-        try:
-            build_plan(compose_config(overrides + fix), env={})
-        except (LaunchError, ValueError, HydraException):
-            continue
-        found.append((kind, fix))
-        kinds[kind] += 1
-    return found
+def launch_error(overrides: list[str]) -> Optional[Exception]:
+    """What a launch with ``overrides`` would be refused with (outside any SLURM job), or None."""
+    try:
+        build_plan(compose_config(overrides), env={})
+    except (LightningParallelError, HydraException, ValueError, TypeError) as err:
+        return err
+    return None
 
 
-def format_fixes(fixes: list[tuple[str, list[str]]]) -> str:
-    lines = []
-    for kind, fix in fixes:
-        nodes = next((f.split("=")[1] for f in fix if f.startswith("trainer.num_nodes=")), None)
-        devices = next((f.split("=")[1] for f in fix if f.startswith("trainer.devices=")), None)
-        sbatch = f"   (sbatch --nodes={nodes} --ntasks-per-node={devices})" if nodes else ""
-        lines.append(f"    {' '.join(fix)}{sbatch}   # {kind}")
-    return "\n".join(lines)
-
-
-def constraint(err: LaunchError) -> str:
-    """The violated constraint of a launch error, without the fixes it proposes."""
-    first = str(err).split("\n")[0]
-    return re.split(r"(?<=\.) (?:Use|Either|Or|Allocate)\b", first)[0].rstrip(":, ")
-
-
-def explain_failure(err: LaunchError, overrides: list[str], cfg: DictConfig) -> str:
-    """The error, with only fixes that pass every check; the error's own advice when none is found
-    (a fix outside the layout: a file path, a batch size, a schedule name)."""
-    fixes = [] if parallel_options(cfg).is_auto else verified_fixes(overrides, cfg)
-    if not fixes:
+def explain_failure(err: Exception, prog: str, overrides: list[str], cfg: DictConfig) -> str:
+    """The refusal and, as whole command lines that pass every check, its own fixes and (a layout
+    that does not fit the allocation or the model) other layouts of the same launch."""
+    if not isinstance(err, LightningParallelError):
         return str(err)
-    return f"{constraint(err)}\nLaunches that pass every check:\n{format_fixes(fixes)}"
+    fixes = list(err.fixes)
+    if isinstance(err, LaunchError) and not parallel_options(cfg).is_auto:
+        fixes += _candidate_fixes(cfg)
+    return explained(err.problem, prog, overrides, fixes, cfg, launch_error)
 
 
 def _blocks(blocks: tuple[int, ...]) -> str:
@@ -274,10 +274,12 @@ def format_plan(plan: LaunchPlan) -> str:
         lines.append(f"stages: blocks of {s.blocks_path} (first also {', '.join(s.pre) or '-'}; last also {', '.join(s.post) or '-'})")
         for stage, blocks in enumerate(s.stage_blocks):
             lines.append(f"  stage {stage} (pp rank {s.rank_of_stage(stage)}): blocks {_blocks(tuple(blocks))}")
+    if plan.memory_left_out is not None:
+        lines.append(f"memory per device: not estimated: {plan.memory_left_out}")
     if plan.memory:
         peak = max(plan.memory, key=lambda m: m.total_bytes)
         unit, size = ("GiB", 1024**3) if peak.total_bytes >= 1024**3 else ("MiB", 1024**2)
-        lines.append(f"memory per device, {unit} (estimate: see lightning_parallel/estimate.py):")
+        lines.append(f"memory per device, {unit} (estimate: see lightning_parallel/planner/estimate.py):")
         lines.append("  pp rank  params(M)   params    grads  optimizer  activations(in flight)   total")
         for m in plan.memory:
             lines.append(
@@ -297,14 +299,14 @@ def dry_run(cfg: DictConfig) -> LaunchPlan:
 
 
 def check_launch(cfg: DictConfig) -> LaunchPlan:
-    """`build_plan` for `lp-train`, whose errors carry only verified fixes."""
+    """`build_plan` for `lp-train`, whose refusals carry only fixes that pass as whole command lines."""
     try:
         return build_plan(cfg)
-    except LaunchError as err:
+    except LightningParallelError as err:
         if not HydraConfig.initialized():
             raise
         overrides = list(HydraConfig.get().overrides.task)
-        raise LaunchError(explain_failure(err, overrides, cfg)) from None
+        raise type(err)(explain_failure(err, "lp-train", overrides, cfg)) from None
 
 
 # ---- lp-plan --search -------------------------------------------------------------------------
@@ -325,8 +327,10 @@ def _search_flags() -> argparse.ArgumentParser:
     add("--latency-us", type=float, help="microseconds per message")
     add("--optimizer-rate", type=float, help="millions of parameters per second an AdamW step updates")
     parser.add_argument("--global-batch", type=int,
-                        help="sequences per optimizer step, split over the replicas (default: data.batch_size per "
-                             "replica, as strategy=auto reads it)")
+                        help="sequences per optimizer step, split over the replicas (default: the batch the data "
+                             "yields per replica, as strategy=auto reads it)")
+    parser.add_argument("--seq-len", type=int,
+                        help="tokens per sequence (default: as strategy=auto reads it from the data)")
     parser.add_argument("--top", type=int, default=5, help="layouts shown")
     return parser
 
@@ -350,7 +354,7 @@ def _rates(flags: argparse.Namespace, kind: str, devices: int, hidden: int) -> t
     return rates, f"{', '.join(missing)} {source}; the rest given"
 
 
-def search_layouts(flags: argparse.Namespace, overrides: list[str]) -> SearchResult:
+def search_layouts(flags: argparse.Namespace, overrides: list[str], prog: str = "lp-plan --search") -> SearchResult:
     """``lp-plan --search``: print the best layouts of the cluster for the config's model and batch."""
     cfg = compose_config(overrides)
     check_config(cfg)
@@ -359,10 +363,15 @@ def search_layouts(flags: argparse.Namespace, overrides: list[str]) -> SearchRes
     devices = flags.devices_per_node or int(cfg.trainer.devices)
     kind = device_kind(cfg.trainer.accelerator)
     model = _meta_model(cfg)
-    seq, batch = cfg.data.get("block_size"), cfg.data.get("batch_size")
-    if seq is None or (batch is None and flags.global_batch is None):
-        raise ConfigurationError("lp-plan --search needs the sequence length (data.block_size) and a batch (data.batch_size "
-                          "per replica, or --global-batch), e.g.\n    --global-batch 256 +data.block_size=2048")
+    try:
+        batch, seq = data_batch_shape(cfg)
+    except BatchShapeUnknown as err:
+        if flags.global_batch is None or flags.seq_len is None:
+            raise ConfigurationError(f"{prog} ranks layouts for a batch shape, but {err}; give the shape instead:\n"
+                                     "    --global-batch <sequences per optimizer step> --seq-len <tokens per sequence>"
+                                     ) from None
+        batch, seq = None, flags.seq_len
+    seq = flags.seq_len or seq
     from lightning_parallel.planner.search import model_dims
 
     rates, source = _rates(flags, kind, devices, model_dims(model, options.pipeline_blocks).hidden)
@@ -380,38 +389,69 @@ def search_layouts(flags: argparse.Namespace, overrides: list[str]) -> SearchRes
           f"AdamW {rates.optimizer:.3g} parameters/s ({source})")
     print(f"{len(result.ranked)} layouts fit, {len(result.too_big)} do not; best {min(flags.top, len(result.ranked))}:")
     print(report(result, flags.top))
-    best = result.best.candidate.layout
-    print("train with it:\n    lp-train strategy=auto " + " ".join(best.overrides()))
-    if best.recompute:
-        print("    and turn on activation checkpointing of every block in the model "
-              "(e.g. gradient_checkpointing_enable())")
+    print(train_with(result, overrides, nodes, devices, per_replica=flags.global_batch is not None))
     return result
 
 
+def train_with(result: SearchResult, overrides: list[str], nodes: int, devices: int, per_replica: bool) -> str:
+    """The `lp-train` command that trains with the best layout: the user's overrides, ``strategy=auto``
+    with every size pinned (no search at setup), the cluster's size and (``per_replica``: the search
+    split a global batch) the batch per replica; tried before it is printed."""
+    best = result.best.candidate
+    settings = {f"strategy.{name}": value for name, value in best.layout.options().items()}
+    settings.update({"trainer.num_nodes": nodes, "trainer.devices": devices})
+    if per_replica:
+        settings["data.batch_size"] = best.replica_batch
+    auto = compose_config(["strategy=auto"])  # the group that holds every size
+    command = ["strategy=auto"]
+    for override in overrides:
+        key = override.split("=")[0].lstrip("+~")
+        if key.startswith("strategy.") and not override.startswith("~"):  # "+" as the auto group needs it
+            override = ("" if has_key(auto, key) else "+") + override.lstrip("+")
+        if key != "strategy":
+            command.append(override)
+    try:
+        fixed = with_settings(command, settings, compose_config(command))
+    except HydraException as err:
+        return f"train with it: the overrides do not compose with strategy=auto:\n{err}"
+    err = launch_error(fixed)
+    if err is not None:
+        return f"train with it: this launch would be refused:\n{explain_failure(err, 'lp-train', fixed, auto)}"
+    text = f"train with it:\n    {command_line('lp-train', fixed)}"
+    if best.layout.recompute:
+        text += ("\n    and turn on activation checkpointing of every block in the model "
+                 "(e.g. gradient_checkpointing_enable())")
+    return text
+
+
+def _flags_of(argv: list[str], overrides: list[str]) -> list[str]:
+    """``argv`` without ``overrides`` (argparse's leftovers, in order): the flags as given."""
+    rest, flags = list(overrides), []
+    for arg in argv:
+        if rest and arg == rest[0]:
+            rest.pop(0)
+        else:
+            flags.append(arg)
+    return flags
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     parser = _search_flags()
-    flags, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    flags, overrides = parser.parse_known_args(argv)
     cluster_flags = [k for k, v in vars(flags).items() if v is not None and k not in ("search", "top")]
     if cluster_flags and not flags.search:
         parser.error(f"--{cluster_flags[0].replace('_', '-')} describes the cluster to search: add --search")
-    if flags.search:
-        try:
-            search_layouts(flags, overrides)
-        except (ConfigurationError, PlanError) as err:
-            print(f"lp-plan --search: {err}", file=sys.stderr)
-            sys.exit(1)
-        return
-    cfg = compose_config(overrides)
+    prog = command_line("lp-plan", _flags_of(argv, overrides))
+    enter_command(prog, overrides)
     try:
-        dry_run(cfg)
-    except PlanError as err:
-        print(f"lp-plan: strategy=auto finds no layout:\n{err}", file=sys.stderr)
-        sys.exit(1)
-    except ConfigurationError as err:
-        print(f"lp-plan: this launch would fail:\n{err}", file=sys.stderr)
-        sys.exit(1)
-    except LaunchError as err:
-        print(f"lp-plan: this launch would fail:\n{explain_failure(err, overrides, cfg)}", file=sys.stderr)
+        if flags.search:
+            search_layouts(flags, overrides, prog)
+        else:
+            dry_run(compose_config(overrides))
+    except LightningParallelError as err:
+        found = "strategy=auto finds no layout" if isinstance(err, PlanError) else "this launch would fail"
+        print(f"{prog}: {found}:\n{explain_failure(err, prog, overrides, compose_config(overrides))}", file=sys.stderr)
         sys.exit(1)
 
 

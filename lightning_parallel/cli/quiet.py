@@ -1,4 +1,4 @@
-"""Silence the warnings and tips that `lp-train` itself causes and that need no action from the user.
+"""Silence the warnings, tips and banners that `lp-train` prints and that need no action from the user.
 
 Each entry below is a message Lightning, torch or torchmetrics prints for something this package
 does on purpose; everything else still reaches the user. Installed in every rank's process, so a
@@ -25,24 +25,32 @@ HARMLESS_WARNINGS = (
     (r"The dirpath has changed from", "resume into a new run folder"),
 )
 
-# Lightning's rank-zero advertisements, logged at INFO level
-_TIPS = ("💡 Tip:",)
+# Lightning's rank-zero notices logged at INFO level: advertisements, and the summary callback that
+# lp-train configures itself (conf/train.yaml)
+_TIPS = ("💡 Tip:", "Trainer already configured with model summary callbacks")
+# the accelerator banner of every Trainer: the run summary names the devices already
+_BANNER = ("GPU available:", "TPU available:")
 
 
 class _DropTips(logging.Filter):
+    def __init__(self, banner: bool) -> None:
+        super().__init__()
+        self.dropped = _TIPS if banner else _TIPS + _BANNER
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(_TIPS)
+        return not str(record.msg).startswith(self.dropped)
 
 
-def quiet_known_warnings() -> None:
-    """Install the filters (idempotent)."""
+def quiet_known_warnings(banner: bool = False) -> None:
+    """Install the filters (idempotent); ``banner`` keeps Lightning's "GPU available" lines."""
     for pattern, _why in HARMLESS_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
     # logger filters see only records logged at that logger: these two are where rank_zero_info logs
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropTips) for f in logger.filters):
-            logger.addFilter(_DropTips())
+        for old in [f for f in logger.filters if isinstance(f, _DropTips)]:
+            logger.removeFilter(old)
+        logger.addFilter(_DropTips(banner))
     # per-rank notices ("Initializing distributed: GLOBAL_RANK: 3"): rank 0's is enough
     if int(os.environ.get("LOCAL_RANK", 0)) > 0 or int(os.environ.get("NODE_RANK", 0)) > 0:
         logging.getLogger("lightning.fabric.utilities.distributed").setLevel(logging.WARNING)

@@ -16,22 +16,27 @@ e.g. `+model.hidden=64`). With the popen launcher Lightning re-runs this same co
 1..N-1, adding `hydra.run.dir=<this run's folder>`, so every rank reads the same config and writes
 into the same folder.
 
-Before Lightning is even imported, the launching process checks everything the config alone
-decides (plan_cli.check_launch: sizes, layout, the model's divisibility on the meta device,
-pipeline options, paths), so a bad launch fails in seconds with the fix, before any rank starts.
+Every `lp-*` command enters the same way (``cli/entry.py``): the folder it runs in is importable,
+and a mistyped key or a class of one's own given to a default config is answered with the command
+that works. Before Lightning is even imported, the launching process checks everything the config
+alone decides (``cli/plan.py``'s ``check_launch``: sizes, layout, the model's divisibility on the
+meta device, the batch shape read from the data, pipeline options, paths), so a bad launch fails
+in seconds, with fixes printed as whole command lines that pass the same checks, before any rank
+starts.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from lightning_parallel.cli.overrides import suggest_for_unknown_keys
+from lightning_parallel.cli.entry import enter_command
+from lightning_parallel.cli.overrides import split_flags
+from lightning_parallel.cli.suggest import command_line
 from lightning_parallel.errors import ConfigurationError, LaunchError
 
 log = logging.getLogger("lightning_parallel")
@@ -115,9 +120,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     plan = check_launch(cfg)
 
+    from hydra.core.hydra_config import HydraConfig
+
     from lightning_parallel.cli.quiet import quiet_known_warnings, quiet_resume_warning
 
-    quiet_known_warnings()
+    # hydra.verbose=true (or naming loggers) asks for Lightning's own notices too
+    quiet_known_warnings(banner=HydraConfig.initialized() and bool(HydraConfig.get().verbose))
     import lightning as L
 
     if logging.getLogger().handlers:  # Hydra's console and train.log handlers; Lightning's own would repeat each line
@@ -128,7 +136,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     # plain Python arguments, so the hyperparameters saved in checkpoints load with weights_only
     datamodule = instantiate(cfg.data, _convert_="all")
     quiet_resume_warning(datamodule)
-    callbacks = [instantiate(c) for c in cfg.callbacks.values()] + [RunSummary(plan)]
+    callbacks = [RunSummary(plan)] + [instantiate(c) for c in cfg.callbacks.values()]  # its block first
     trainer = instantiate(cfg.trainer, callbacks=callbacks)
     model = _build_model(cfg, trainer)
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
@@ -139,19 +147,19 @@ def train(cfg: DictConfig) -> dict[str, float]:
 def _hydra_main(cfg: DictConfig) -> None:
     try:
         train(cfg)
-    except (ConfigurationError, LaunchError) as err:
-        print(f"lp-train: this launch would fail:\n{err}", file=sys.stderr)
+    except (ConfigurationError, LaunchError) as err:  # the launch checks here, or the strategy in its words
+        from hydra.core.hydra_config import HydraConfig
+
+        from lightning_parallel.cli.plan import explain_failure
+
+        message = explain_failure(err, "lp-train", list(HydraConfig.get().overrides.task), cfg) if err.fixes else err
+        print(f"lp-train: this launch would fail:\n{message}", file=sys.stderr)
         sys.exit(1)
 
 
 def main() -> None:
-    # as `python -m` would: a module of your own in the folder you run from is found by _target_
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
-    hint = suggest_for_unknown_keys(sys.argv[1:])
-    if hint:
-        print(f"lp-train: {hint}", file=sys.stderr)
-        sys.exit(2)
+    split = split_flags(sys.argv[1:])  # None: --multirun and the like, whose overrides are Hydra's to read
+    enter_command(command_line("lp-train", split[0]) if split else "lp-train", split[1] if split else None)
     _hydra_main()
 
 

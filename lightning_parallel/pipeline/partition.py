@@ -13,6 +13,7 @@ stage ``s`` on rank ``s % P``; "v" for the V-shaped schedules).
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 from torch import nn
@@ -48,6 +49,16 @@ def find_blocks(module: nn.Module, path: str | None = None) -> tuple[str, nn.Mod
         )
     _, name, blocks = max(candidates, key=lambda c: c[0])
     return name, blocks
+
+
+def block_lists(module: nn.Module, near: str | None = None) -> list[str]:
+    """Paths of every ``nn.ModuleList``/``nn.Sequential`` in ``module`` with two or more entries: the
+    candidates for ``pipeline_blocks``, the closest to ``near`` first, then the largest."""
+    found = [(sum(p.numel() for p in m.parameters()), name) for name, m in module.named_modules()
+             if name and isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1]
+    ranked = [name for _, name in sorted(found, key=lambda f: -f[0])]
+    close = difflib.get_close_matches(near, ranked, n=len(ranked), cutoff=0.6) if near else []
+    return close + [name for name in ranked if name not in close]
 
 
 def outer_modules(module: nn.Module, blocks_path: str) -> tuple[list[str], list[str]]:

@@ -1,8 +1,11 @@
 """``strategy=auto``: the layout a strategy trains with when its sizes say ``"auto"``.
 
-Every rank computes the same choice from the same inputs (the model, the world, the batch shape,
-nominal rates for the device kind, the device's memory), before any collective: no rank waits for
-another, and a model that fits no layout fails on every rank with the same message. Rates are not
+The launching process chooses before any worker starts (``strategy/launcher.py``), reading the
+batch shape from the data the run will use (``planner/batch.py``); where processes are started
+externally (torchrun, srun) every rank computes the same choice from the same inputs (the model,
+the world, the batch shape, nominal rates for the device kind, the device's memory), before any
+collective: no rank waits for another, and a model that fits no layout fails on every rank with
+the same message. Rates are not
 measured here because a measurement differs between ranks and runs, and the choice must not; the
 ranking depends mostly on the ratios between compute and links, which the nominal rates of
 ``calibrate.NOMINAL`` keep. ``lp-plan --search`` ranks with measured rates; pin its choice with the
@@ -12,14 +15,17 @@ overrides it prints.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from lightning_parallel.errors import Fix
 from lightning_parallel.options import AUTO, ParallelOptions
+from lightning_parallel.planner.batch import BatchShapeUnknown, batch_shape, datamodule_shape
 from lightning_parallel.planner.calibrate import nominal
 from lightning_parallel.planner.search import (
+    PlanError,
     SearchResult,
     explain,
     format_table,
@@ -57,7 +63,18 @@ def choose(model: nn.Module, nodes: int, devices_per_node: int, kind: str, repli
     cluster = Cluster(nodes, devices_per_node, memory or device_memory(kind, devices_per_node), nominal(kind),
                       shared_compute=kind != "cuda")
     work = Workload(seq=seq, precision=precision, replica_batch=replica_batch, options=options)
-    return search(model, cluster, work, constraints(options))
+    try:
+        return search(model, cluster, work, constraints(options))
+    except PlanError as err:
+        if not err.fixes:
+            raise
+        raise PlanError(err.problem, [pinned(options)]) from None  # "give the sizes": those given as "auto"
+
+
+def pinned(options: ParallelOptions) -> Fix:
+    """The fix that gives every option left to the search its default: no search."""
+    defaults = options.unsearched()
+    return Fix({f"strategy.{name}": getattr(defaults, name) for name in options.searched})
 
 
 def report(result: SearchResult, top: int = 5) -> str:
@@ -65,49 +82,35 @@ def report(result: SearchResult, top: int = 5) -> str:
     return f"{format_table(result, top)}\n{explain(result)}"
 
 
-def batch_shape(batch: Any) -> Optional[tuple[int, int]]:
-    """(sequences, tokens per sequence) of a batch: the first tensor in it, (B, T, ...) or (B,)."""
-    if isinstance(batch, torch.Tensor):
-        return (batch.shape[0], batch.shape[1] if batch.dim() > 1 else 1) if batch.dim() else None
-    items = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
-    return next((shape for shape in map(batch_shape, items) if shape is not None), None)
-
-
-def training_shape(trainer: Any, strategy: Any) -> Optional[tuple[int, int]]:
-    """(sequences per replica, tokens per sequence) of the run: a data module's ``batch_size`` and
-    ``block_size`` hyperparameters (read before its ``setup``, which Lightning runs after the
-    strategy's, as ``lp-plan`` reads ``data.batch_size`` and ``data.block_size``); without a data
-    module, the first batch of the loader given to the Trainer or of the module's own hook."""
+def training_shape(trainer: Any, strategy: Any) -> tuple[int, int]:
+    """The batch shape of the run (``planner/batch.py``): its data module's, or the first batch of
+    the loader given to the Trainer or of the module's own hook. Raises ``BatchShapeUnknown``."""
+    if trainer is None:
+        raise BatchShapeUnknown("no Trainer call (fit, validate, ...) shows the data yet")
+    if trainer.datamodule is not None:
+        return datamodule_shape(trainer.datamodule)
     from lightning_parallel.pipeline.example import first_batch
 
-    if trainer.datamodule is not None:
-        hparams = getattr(trainer.datamodule, "hparams", {})
-        if hparams.get("batch_size") is None or hparams.get("block_size") is None:
-            return None
-        return int(hparams["batch_size"]), int(hparams["block_size"])
-    return batch_shape(first_batch(trainer, strategy)[0])
+    shape = batch_shape(first_batch(trainer, strategy)[0])
+    if shape is None:
+        raise BatchShapeUnknown("the Trainer call gives no training data whose first batch holds a tensor")
+    return shape
 
 
-def choose_for(strategy: Any, options: ParallelOptions) -> SearchResult:
-    """The search of a ``ParallelStrategy`` at setup, from its module, world and batch shape
-    (``training_shape``); rank 0 logs the table and why."""
+def choose_for(strategy: Any, trainer: Any, options: ParallelOptions) -> SearchResult:
+    """The search of a ``ParallelStrategy`` before its process group, from its module, world and the
+    batch shape of ``trainer``'s data (``training_shape``); rank 0 logs the table and why."""
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-    from lightning_parallel.compat import attached_trainer
     from lightning_parallel.errors import LaunchError
 
-    module = strategy.lightning_module
-    trainer = attached_trainer(module) if module is not None else None
-    shape = training_shape(trainer, strategy) if trainer is not None else None
-    if shape is None:
-        raise LaunchError(
-            "ParallelStrategy sizes given as 'auto' are chosen for the model and its batch shape, which this "
-            "Trainer call does not show: pass a DataLoader, or a data module whose hyperparameters "
-            "(save_hyperparameters) include batch_size (per replica) and block_size (tokens per sequence); "
-            "or give the sizes, e.g. ParallelStrategy(tensor_parallel=1, pipeline_parallel=1)"
-        )
+    try:
+        shape = training_shape(trainer, strategy)
+    except BatchShapeUnknown as err:
+        raise LaunchError(f"sizes given as 'auto' are chosen for the model and its batch shape, but {err}; "
+                          "give the sizes instead, e.g.", [pinned(options)]) from None
     kind = strategy.root_device.type
-    result = choose(module, strategy.num_nodes, strategy.num_processes, kind, shape[0], shape[1],
+    result = choose(strategy.lightning_module, strategy.num_nodes, strategy.num_processes, kind, shape[0], shape[1],
                     str(trainer.precision), options, device_memory(kind, strategy.num_processes, strategy.root_device))
     rank_zero_info(f"strategy=auto chose {result.best.candidate.layout.describe()} of {len(result.ranked)} layouts "
                    f"that fit (planner/auto.py):\n{report(result)}")

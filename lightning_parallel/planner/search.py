@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
-from lightning_parallel.errors import LaunchError
+from lightning_parallel.errors import Fix, LaunchError
 from lightning_parallel.pipeline.errors import (
     PipelineConfigError,
     PipelineIncompatibleModel,
@@ -80,8 +80,8 @@ def model_dims(model: nn.Module, pipeline_blocks: str | None = None) -> Transfor
         raise PlanError(
             f"the layout search needs a transformer: a list of repeated blocks and its hidden size, heads and "
             f"vocabulary (a Hugging Face config, or n_embd, n_head and vocab_size hyperparameters); "
-            f"{type(model).__name__} has not all of them. Give the sizes instead, e.g. "
-            "strategy.tensor_parallel=1 strategy.pipeline_parallel=1"
+            f"{type(model).__name__} has not all of them. Give the sizes instead, e.g.",
+            [Fix({"strategy.tensor_parallel": 1, "strategy.pipeline_parallel": 1})],
         )
     return dims
 

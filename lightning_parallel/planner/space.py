@@ -98,9 +98,10 @@ class Layout:
         return " ".join(parts)
 
     def options(self) -> dict:
-        """The ``ParallelStrategy`` arguments of this layout (activation checkpointing is the model's)."""
+        """The ``ParallelStrategy`` arguments of this layout (activation checkpointing is the model's):
+        every option the search may choose, so that none is left as "auto"."""
         chosen = {"tensor_parallel": self.tp, "pipeline_parallel": self.pp, "data_parallel": self.dp,
-                  "zero_stage": int(self.zero), "micro_batches": None, "virtual_stages": 1}
+                  "zero_stage": int(self.zero), "micro_batches": None, "schedule": "1f1b", "virtual_stages": 1}
         if self.pp > 1:
             chosen.update(micro_batches=self.micro_batches, schedule=self.schedule, virtual_stages=self.virtual_stages)
         return chosen

@@ -1,4 +1,12 @@
-"""Lightning's multiprocessing launcher (``start_method`` fork, spawn, forkserver) for split models.
+"""Lightning's launchers for ``ParallelStrategy``: checked before any worker starts, and, for
+``start_method`` fork, spawn or forkserver, returning a split model's trained weights.
+
+Both run the strategy's launch checks (``ParallelStrategy.check_launch``: sizes given as "auto"
+resolved from the batch the run will read, the layout, the model's split) in the launching
+process, before any worker exists: a refusal is raised once, as the last line of the output,
+instead of once per worker inside torch's ``ProcessRaisedException``. Fork and spawn workers
+inherit the resolved sizes; popen workers re-run the script and check again, as every rank does.
+
 
 The workers train copies of the parent's module; when they finish, the parent's module must hold
 the trained weights, or a ``trainer.validate``/``test``/``predict`` that follows would evaluate
@@ -27,13 +35,42 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning_parallel.checkpoint import consolidate, save_sharded
 from lightning_parallel.compat import (
     _MultiProcessingLauncher,
+    _SubprocessScriptLauncher,
     _WorkerOutput,
+    attach_fit_data,
     fit_ckpt_path,
 )
 from lightning_parallel.strategy.materialize import has_meta_parameters
 
 _EVALUATE_IN_PLACE = ("Train and evaluate in the same processes: start_method='popen' (the default) or torchrun; "
                       "or resume from a checkpoint: trainer.fit(model, ckpt_path='last')")
+
+
+def check_before_workers(strategy: Any, trainer: Optional[Any], args: tuple, forks: bool = False) -> None:
+    """``strategy.check_launch`` in the launching process; ``args`` are the Trainer call's (a fit's
+    data is attached first when "auto" sizes need its first batch). Workers ``forks``-ed from this
+    process on CUDA choose "auto" sizes themselves: the search reads the device, and CUDA started
+    here would not work in them."""
+    if trainer is None:
+        return
+    if strategy.searches_layout:
+        if forks and strategy.root_device.type == "cuda":
+            return
+        if trainer.state.fn == TrainerFn.FITTING:
+            attach_fit_data(trainer, args)
+    strategy.check_launch(trainer)
+
+
+class SubprocessScriptLauncher(_SubprocessScriptLauncher):
+    """Lightning's popen launcher (the script re-run once per rank), checked before the first re-run."""
+
+    def __init__(self, strategy: Any) -> None:
+        super().__init__(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+        self._strategy = strategy
+
+    def launch(self, function: Callable, *args: Any, trainer: Optional[Any] = None, **kwargs: Any) -> Any:
+        check_before_workers(self._strategy, trainer, args)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
 class MultiProcessingLauncher(_MultiProcessingLauncher):
@@ -47,6 +84,7 @@ class MultiProcessingLauncher(_MultiProcessingLauncher):
             raise RuntimeError(self.weights_left_behind)
         if resumes:
             self._already_fit = False  # everything a second fit needs comes from the checkpoint
+        check_before_workers(self._strategy, trainer, args, forks=self._start_method == "fork")
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Optional[_WorkerOutput]:

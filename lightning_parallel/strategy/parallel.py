@@ -51,7 +51,6 @@ from lightning_parallel.compat import (
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
     _optimizers_to_device,
-    _SubprocessScriptLauncher,
     _sync_ddp_if_available,
     _sync_module_states,
     attached_trainer,
@@ -60,7 +59,7 @@ from lightning_parallel.compat import (
 )
 from lightning_parallel.data_parallel import GradientSynchronizer
 from lightning_parallel.data_parallel.zero import ZeroOneSharding
-from lightning_parallel.errors import LaunchError
+from lightning_parallel.errors import LaunchError, LightningParallelError, python_arguments
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline import PipelineEngine
@@ -72,7 +71,7 @@ from lightning_parallel.strategy.gradients import (
     GradientFinalizer,
     shared_across_stages,
 )
-from lightning_parallel.strategy.launcher import MultiProcessingLauncher
+from lightning_parallel.strategy.launcher import MultiProcessingLauncher, SubprocessScriptLauncher
 from lightning_parallel.strategy.materialize import (
     UnsplitModel,
     broadcast_on_host,
@@ -214,28 +213,64 @@ class ParallelStrategy(_LightningParallelStrategy):
         mesh = self._planned_mesh()
         return {"num_replicas": mesh.dp_size, "rank": mesh.coords(self.global_rank).dp}
 
-    def _resolve_sizes(self) -> None:
+    def _resolve_sizes(self, trainer: Any) -> None:
         """Presets fill in the size they spread over all processes (see ``presets.py``); sizes given
-        as "auto" take the planner's best layout, chosen the same on every rank before any collective."""
+        as "auto" take the planner's best layout for ``trainer``'s data, chosen before any collective
+        (in the launching process, or on every rank where processes are started externally)."""
         if self.options.is_auto:
             # a data module building the first batch's loader may ask for the mesh meanwhile: it reads the
             # defaults (any DP size gives the batch shape the search reads: a loader's batch_size is per replica)
-            searched, self.options = self.options, self.options.replace(
-                **{name: ParallelOptions.__dataclass_fields__[name].default for name in self.options.searched})
-            self.layout_search = choose_for(self, searched)
+            searched, self.options = self.options, self.options.unsearched()
+            self.layout_search = choose_for(self, trainer, searched)
             self.options = searched.resolved(self.layout_search.best.candidate.layout.options())
+
+    @property
+    def searches_layout(self) -> bool:
+        """Whether sizes given as "auto" are still to be chosen (from the model and the batch shape)."""
+        return self.options.is_auto
 
     def _planned_mesh(self) -> ParallelMesh:
         if self.mesh is not None:
             return self.mesh
-        self._resolve_sizes()
+        module = self.lightning_module
+        self._resolve_sizes(attached_trainer(module) if module is not None else None)
         return ParallelMesh(self.num_nodes * self.num_processes, **self.options.mesh_sizes)
+
+    def check_launch(self, trainer: Any) -> ParallelMesh:
+        """Every check that needs no process group, for ``trainer``'s module: sizes given as "auto"
+        resolved, then the allocation, the layout, the model's split and the Trainer's features.
+
+        The launchers run it in the launching process before any worker starts, and every rank runs
+        it again before its first collective, so a bad launch fails once, as the last line, or on
+        every rank alike instead of hanging. Raises ``LaunchError`` with its fixes written as this
+        class's arguments (`lp-train`, which checks first, writes them as overrides).
+        """
+        module = self.lightning_module
+        with self._refusals_in_arguments():
+            self._resolve_sizes(trainer)
+            mesh = validate_launch(
+                self.options, self.num_nodes, self.num_processes,
+                model=module if self._checks_model(module) and not builds_in_configure_model(module) else None,
+                automatic_optimization=module is None or module.automatic_optimization,
+                loss_scaler=getattr(self.precision_plugin, "scaler", None) is not None,
+            )
+            if trainer is not None and self.is_model_split:
+                self._refuse_split_model_flags(trainer)
+        return mesh
+
+    @contextmanager
+    def _refusals_in_arguments(self) -> Generator:
+        """Refusals raised inside have their fixes written as this class's arguments (a script built it)."""
+        try:
+            yield
+        except LightningParallelError as err:
+            raise err.in_language(python_arguments(type(self).__name__)) from None
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
             if not self.cluster_environment.creates_processes_externally:
-                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+                self._launcher = SubprocessScriptLauncher(self)
         else:
             self._launcher = MultiProcessingLauncher(self, start_method=self._start_method)
 
@@ -250,19 +285,10 @@ class ParallelStrategy(_LightningParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        # every rank checks the allocation, the layout and the model before any collective, so a
-        # bad launch fails with the same message everywhere instead of hanging
-        self._resolve_sizes()
+        # every rank checks before any collective (again, after the launching process): a bad launch
+        # fails with the same message everywhere instead of hanging
         module = self.lightning_module
-        mesh = validate_launch(
-            self.options, self.num_nodes, self.num_processes,
-            model=module if self._checks_model(module) and not builds_in_configure_model(module) else None,
-            automatic_optimization=module is None or module.automatic_optimization,
-            loss_scaler=getattr(self.precision_plugin, "scaler", None) is not None,
-        )
-        trainer = attached_trainer(module) if module is not None else None
-        if trainer is not None and self.is_model_split:
-            self._refuse_split_model_flags(trainer)
+        mesh = self.check_launch(attached_trainer(module) if module is not None else None)
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
@@ -307,9 +333,10 @@ class ParallelStrategy(_LightningParallelStrategy):
                 self.pipeline.link.device = self.root_device
         else:
             if self._checks_model(module) and builds_in_configure_model(module):  # built just now: check it
-                validate_launch(self.options, self.num_nodes, self.num_processes, model=module,
-                                automatic_optimization=module.automatic_optimization,
-                                loss_scaler=getattr(self.precision_plugin, "scaler", None) is not None)
+                with self._refusals_in_arguments():
+                    validate_launch(self.options, self.num_nodes, self.num_processes, model=module,
+                                    automatic_optimization=module.automatic_optimization,
+                                    loss_scaler=getattr(self.precision_plugin, "scaler", None) is not None)
             self._unsplit_counts = count_parameters(module)
             self._split(module)
         if self.is_model_split:  # Lightning's summary would count rank 0's shard of its stage

@@ -25,12 +25,12 @@ class TensorParallelStrategy(ParallelStrategy):
         self._tp_all = tensor_parallel is None
         super().__init__(tensor_parallel=tensor_parallel or 1, **kwargs)
 
-    def _resolve_sizes(self) -> None:
+    def _resolve_sizes(self, trainer: Any) -> None:
         if self._tp_all:
             self.options = self.options.replace(
                 tensor_parallel=max(1, self.num_nodes * self.num_processes // self.options.pp))
         else:  # a size, or "auto" for the planner
-            super()._resolve_sizes()
+            super()._resolve_sizes(trainer)
 
 
 class PipelineParallelStrategy(ParallelStrategy):
@@ -42,9 +42,9 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._pp_all = pipeline_parallel is None
         super().__init__(pipeline_parallel=pipeline_parallel or 1, **kwargs)
 
-    def _resolve_sizes(self) -> None:
+    def _resolve_sizes(self, trainer: Any) -> None:
         if self._pp_all:
             self.options = self.options.replace(
                 pipeline_parallel=max(1, self.num_nodes * self.num_processes // self.options.tp))
         else:  # a size, or "auto" for the planner
-            super()._resolve_sizes()
+            super()._resolve_sizes(trainer)

@@ -136,7 +136,7 @@ def detect_plan(root: nn.Module, sequence_parallel: bool = False) -> Plan:
         if not plan:
             raise TensorParallelError(
                 f"{unsure}\nand finds nothing else to split: train with data parallelism instead "
-                "(strategy.tensor_parallel=1, or strategy=lp_dp), or give strategy.tp_plan"
+                "(tensor_parallel=1), or give a tp_plan"
             )
         raise TensorParallelError(
             f"{unsure}\nThis plan leaves those attentions whole; give it as strategy.tp_plan (in a strategy YAML "
@@ -159,7 +159,7 @@ def detect_plan(root: nn.Module, sequence_parallel: bool = False) -> Plan:
             f"tensor parallelism has nothing to split in {type(root).__name__}: it splits attention heads "
             "(nn.MultiheadAttention, fused or separate q/k/v Linears with a head count) and MLP hidden layers "
             "(Linear d->f then Linear f->d), and found none. Train it with data parallelism instead "
-            "(strategy.tensor_parallel=1, or strategy=lp_dp), or name the Linears to split in strategy.tp_plan, "
-            "e.g. {'net.fc1': 'colwise', 'net.fc2': 'rowwise'}"
+            "(tensor_parallel=1), or name the Linears to split in a tp_plan, e.g. {'net.fc1': 'colwise', "
+            "'net.fc2': 'rowwise'}"
         )
     return plan

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from lightning_parallel import ParallelStrategy
 from lightning_parallel.checkpoint import CheckpointMismatchError, load_sharded
-from lightning_parallel.checkpoint.consolidate import main as consolidate_main
+from lightning_parallel.cli.consolidate import main as consolidate_main
 from lightning_parallel.checkpoint.format import (
     Piece,
     full_optimizer_state,

@@ -36,7 +36,7 @@ from lightning_parallel.checkpoint.atomic import (
     remove_checkpoint_dir,
     staged,
 )
-from lightning_parallel.checkpoint.consolidate import main as consolidate_main
+from lightning_parallel.cli.consolidate import main as consolidate_main
 from tests.checkpoint.test_checkpoint import (  # noqa: F401 - reference: fixture
     HALF,
     assert_continues,

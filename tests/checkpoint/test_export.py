@@ -28,7 +28,7 @@ from safetensors import safe_open
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_parallel.checkpoint import consolidate
-from lightning_parallel.checkpoint.consolidate import main as consolidate_main
+from lightning_parallel.cli.consolidate import main as consolidate_main
 from lightning_parallel.cli.export import main as export_main
 from lightning_parallel.strategy import ParallelStrategy
 

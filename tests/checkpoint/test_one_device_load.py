@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_parallel.checkpoint.consolidate import load_directory
-from lightning_parallel.checkpoint.consolidate import main as consolidate_main
+from lightning_parallel.cli.consolidate import main as consolidate_main
 from lightning_parallel.models.gpt import GPT
 from tests.checkpoint.test_checkpoint import (  # noqa: F401 - tp2pp2_checkpoint: a fixture
     DATASET,

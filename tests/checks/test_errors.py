@@ -1,9 +1,11 @@
-"""A refused setting is the last thing the user reads.
+"""A refused setting is the last thing the user reads, in the language the user wrote.
 
 Each test runs a small training script with one mistake in a fresh Python process and reads its
 stderr as a terminal would show it: the refusal (which names the module, what is unsupported and
-what to write) ends the output, printed once; no second traceback follows it (teardown moving
-meta tensors to the CPU, a crash while formatting the suggestion), on every launch path.
+what to write, as the Python arguments of the strategy the script built) ends the output, printed
+once, raised in the launching process before any worker starts (no torch ``ProcessRaisedException``
+around it); no second traceback follows it (teardown moving meta tensors to the CPU, a crash while
+formatting the suggestion), on every launch path.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ CASES = {
     "tp_size_does_not_divide_heads": (
         dict(tensor_parallel=2), dict(n_embd=30, n_head=3),
         "transformer.h.0.attn: number of heads = 3 is not divisible by tensor_parallel=2",
-        "strategy.tensor_parallel=1 strategy.data_parallel=auto",
+        "ParallelStrategy(tensor_parallel=1)",
     ),
     "misspelled_glob": (
         dict(tensor_parallel=2, tp_plan={"transformer.h.*.atn.c_attn": "colwise"}), {},
@@ -66,12 +68,12 @@ CASES = {
     "pipeline_blocks_not_found": (
         dict(pipeline_parallel=2, pipeline_blocks="transformer.hh"), {},
         "pipeline_blocks='transformer.hh' is not a submodule of GPT",
-        "strategy.pipeline_parallel=1",
+        "ParallelStrategy(pipeline_parallel=1)",
     ),
     "manual_optimization_under_pp": (
         dict(pipeline_parallel=2), dict(model_class="ManualGPT"),
         "ManualGPT sets automatic_optimization = False, which pipeline_parallel=2 does not support",
-        "strategy.pipeline_parallel=1",
+        "ParallelStrategy(pipeline_parallel=1)",
     ),
 }
 
@@ -87,7 +89,7 @@ def run_script(tmp_path, case: str, start_method: str = "fork", empty_init: bool
     return run.stderr
 
 
-def assert_refusal_is_last(stderr: str, case: str, printed_once: bool = True) -> None:
+def assert_refusal_is_last(stderr: str, case: str) -> None:
     _, _, first, last = CASES[case]
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert last in lines[-1], "\n".join(lines[-20:])
@@ -96,8 +98,11 @@ def assert_refusal_is_last(stderr: str, case: str, printed_once: bool = True) ->
     # nothing after the refusal but its own lines, and no crash while it was raised or cleaned up
     assert not any("Traceback" in line or "During handling" in line for line in lines[errors[-1]:])
     assert "meta tensor" not in stderr and "max() arg" not in stderr and "another exception occurred" not in stderr
-    if printed_once:
-        assert len(errors) == 1, "\n".join(lines)
+    # written as the script's own Python arguments, not as lp-train's overrides
+    assert not any(line.lstrip().startswith("strategy.") for line in lines[errors[-1]:]), "\n".join(lines[-20:])
+    # once, from the launching process: no worker started
+    assert len(errors) == 1, "\n".join(lines)
+    assert "ProcessRaisedException" not in stderr and "Initializing distributed" not in stderr
 
 
 @pytest.mark.timeout(180)
@@ -115,10 +120,16 @@ def test_refusal_of_a_model_on_the_meta_device_ends_the_output(tmp_path, case):
 
 @pytest.mark.timeout(180)
 def test_refusal_ends_the_output_under_popen(tmp_path):
-    # rank 0 is the main process here and tears down its own meta module; the other rank, a copy
-    # of the script, raises the same refusal (so the last line is the refusal whichever ends last)
+    # rank 0 is the launching process: it refuses before re-running the script for the other rank,
+    # and tears down its own meta module
     stderr = run_script(tmp_path, "misspelled_glob", start_method="popen", empty_init=True)
-    assert_refusal_is_last(stderr, "misspelled_glob", printed_once=False)
+    assert_refusal_is_last(stderr, "misspelled_glob")
+
+
+@pytest.mark.timeout(180)
+def test_unknown_pipeline_blocks_suggests_the_models_block_list(tmp_path):
+    stderr = run_script(tmp_path, "pipeline_blocks_not_found")
+    assert "    ParallelStrategy(pipeline_blocks='transformer.h')\n" in stderr
 
 
 # ---- the checks themselves, without processes ----------------------------------------------------

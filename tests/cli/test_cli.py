@@ -10,6 +10,7 @@ very values one process would compute), so they agree to within float32 reassoci
 import csv
 import os
 import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -149,17 +150,22 @@ def test_config_mistakes_stop_the_launch_before_any_rank_starts(tmp_path, overri
     assert not list(tmp_path.rglob("*.ckpt"))
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 def test_mistyped_key_gets_did_you_mean(tmp_path):
-    result = _run(["lp-train", "trainer.max_step=3"], cwd=tmp_path, check=False)
+    result = _run(["lp-train", "strategy=pp", "trainer.max_step=3"], cwd=tmp_path, check=False)
     assert result.returncode == 2
     assert "did you mean trainer.max_steps?" in result.stderr
-    assert "\n    trainer.max_steps=3\n" in result.stderr
+    # the whole command, the user's other overrides kept, as it passes the launch checks
+    assert "\n    lp-train strategy=pp trainer.max_steps=3\n" in result.stderr
+    build_plan(compose_config(["strategy=pp", "trainer.max_steps=3"]), env={})
 
 
 def _suggested_overrides(stderr: str) -> list[list[str]]:
+    """The overrides of each command line printed after "Launches that pass every check:"."""
     lines = stderr.split("Launches that pass every check:\n")[1].splitlines()
-    return [line.split("#")[0].split("(sbatch")[0].split() for line in lines if line.startswith("    ")]
+    commands = [shlex.split(line.split("   #")[0].split("   (sbatch")[0]) for line in lines if line.startswith("    ")]
+    assert all(command[0] == "lp-plan" for command in commands)
+    return [command[1:] for command in commands]
 
 
 @pytest.mark.timeout(120)
@@ -177,7 +183,9 @@ def test_lp_plan_prints_only_fixes_that_pass_its_own_checks(tmp_path, overrides)
     assert fixes
     for fix in fixes:
         assert not any(f.startswith(("strategy.tensor_parallel=3", "+strategy.tensor_parallel=3")) for f in fix)
-        build_plan(compose_config(overrides + fix), env={})  # raises if the fix does not pass
+        # the user's overrides come first, in order (a fix changes a value in place, or adds a key after them)
+        assert [o.split("=")[0] for o in fix[: len(overrides)]] == [o.split("=")[0] for o in overrides]
+        build_plan(compose_config(fix), env={})  # raises if the command does not pass
 
 
 @pytest.mark.timeout(60)
@@ -188,7 +196,8 @@ def test_fast_commands_do_not_import_lightning(tmp_path):
     }
     for name, command in commands.items():
         imported = _run(command, cwd=tmp_path).stderr
-        assert "| lightning_parallel" in imported, name
+        # imported by the command, or already at start-up by lightning_parallel.pth
+        assert re.search(r"\|\s+lightning_parallel$", imported, re.M), name
         assert not re.search(r"\|\s+lightning(\.|$)", imported, re.M), name
 
 

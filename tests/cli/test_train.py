@@ -31,7 +31,7 @@ def _compose(*overrides):
 @pytest.mark.parametrize(
     "group, devices, expected",
     [
-        ("single", 1, "SingleDeviceStrategy"),
+        ("single", 1, "SingleDeviceReference"),
         ("ddp", 2, "DDPStrategy"),
         ("dp", 2, "DataParallelStrategy"),
         ("tp", 2, "TensorParallelStrategy"),

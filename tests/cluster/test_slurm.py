@@ -112,7 +112,7 @@ def test_mismatched_layout_fails_before_any_rank_starts(slurm, tmp_path):
     log = (tmp_path / f"lp-train-{job}.out").read_text()
     # every suggestion has passed the same checks: resubmit for the layout, or fit the layout to the allocation
     assert "trainer.num_nodes=2 trainer.devices=4   (sbatch --nodes=2 --ntasks-per-node=4)" in log
-    assert "    strategy.data_parallel=1   # keep 1 node(s) x 4 devices" in log
+    assert " strategy.data_parallel=1   # keep 1 node(s) x 4 devices" in log
     assert "Initializing distributed" not in log
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shlex
 
 import lightning as L
 import pytest
@@ -147,7 +148,14 @@ def test_lp_plan_search_prints_the_ranked_table_and_the_overrides(capsys):
         assert column in lines[header]
     assert [line.split()[0] for line in lines[header + 1 : header + 4]] == ["1", "2", "3"]
     assert lines[header + 4].startswith("chosen: ")
-    assert "lp-train strategy=auto strategy.tensor_parallel=" in out
+    # the command to train with it carries the user's overrides and pins every size: no search at setup
+    command = shlex.split(lines[lines.index("train with it:") + 1])
+    assert command[:4] == ["lp-train", "strategy=auto", "model.n_layer=4", "model.n_embd=64"]
+    from lightning_parallel.cli.overrides import compose_config
+    from lightning_parallel.cli.plan import build_plan
+
+    plan = build_plan(compose_config(command[1:]), env={})
+    assert plan.search is None and plan.mesh.world_size == 8
 
 
 def test_lp_plan_refuses_cluster_flags_without_search(capsys):
@@ -179,18 +187,33 @@ def test_calibration_measures_compute_and_links_between_local_processes():
     assert 0 <= rates.latency < 1  # seconds per message; timing noise may fit it to zero
 
 
-def test_strategy_auto_reads_the_batch_shape_without_setting_up_the_data():
+def test_strategy_auto_reads_the_batch_shape_from_the_data_the_run_uses():
     from types import SimpleNamespace
 
-    from lightning_parallel.planner.auto import batch_shape, training_shape
+    from lightning_parallel.planner.auto import training_shape
+    from lightning_parallel.planner.batch import BatchShapeUnknown, batch_shape
 
-    class Sized(L.LightningDataModule):
+    class Sized(L.LightningDataModule):  # arguments that give the shape: read without building any data
         def __init__(self, batch_size: int, block_size: int):
             super().__init__()
             self.save_hyperparameters()
 
+        def setup(self, stage=None):
+            raise AssertionError("set up although its arguments give the shape")
+
+    class Own(L.LightningDataModule):  # no hyperparameters: set up, and its first batch read
+        def setup(self, stage=None):
+            self.data = torch.utils.data.TensorDataset(torch.zeros(20, 6, dtype=torch.long))
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(self.data, batch_size=5, shuffle=True)
+
+    state = torch.random.get_rng_state()
     assert training_shape(SimpleNamespace(datamodule=Sized(4, 16)), strategy=None) == (4, 16)
-    assert training_shape(SimpleNamespace(datamodule=L.LightningDataModule()), strategy=None) is None  # refused
+    assert training_shape(SimpleNamespace(datamodule=Own()), strategy=None) == (5, 6)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the run shuffles as if nothing was read
+    with pytest.raises(BatchShapeUnknown, match="LightningDataModule's training loader could not be read"):
+        training_shape(SimpleNamespace(datamodule=L.LightningDataModule()), strategy=None)
     assert batch_shape({"input_ids": torch.zeros(3, 7, dtype=torch.long)}) == (3, 7)
     assert batch_shape((torch.zeros(5, 9), torch.zeros(5, 9))) == (5, 9)
 
