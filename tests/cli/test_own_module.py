@@ -11,10 +11,10 @@ subprocesses. Every command line a command prints is pasted back and must pass t
 from __future__ import annotations
 
 import csv
-import importlib.metadata
 import os
 import re
 import shlex
+import site
 import subprocess
 import sys
 import textwrap
@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from lightning_parallel.cli.overrides import compose_config
-from lightning_parallel.cli.plan import build_plan, main as lp_plan_main
+from lightning_parallel.cli.plan import build_plan
+from lightning_parallel.cli.plan import main as lp_plan_main
 
 MY_PKG = '''
 import lightning as L
@@ -261,8 +262,8 @@ for name in sys.argv[1:]:
 
 @pytest.mark.timeout(120)
 def test_strategy_names_work_under_lightning_cli_without_an_import(user_folder):
-    installed = [str(f) for f in importlib.metadata.distribution("lightning-parallel").files or []]
-    assert "lightning_parallel.pth" in installed, "reinstall the package (pip install -e .): no lightning_parallel.pth"
+    installed = [Path(folder) / "lightning_parallel.pth" for folder in site.getsitepackages()]
+    assert any(p.is_file() for p in installed), "reinstall the package (pip install -e .): no lightning_parallel.pth"
     (user_folder / "cli.py").write_text(LIGHTNING_CLI)
     names = {"lp_dp": "DataParallelStrategy", "lp_tp": "TensorParallelStrategy",
              "lp_pp": "PipelineParallelStrategy", "lp_3d": "ParallelStrategy"}
