@@ -23,8 +23,11 @@ from lightning_parallel.pipeline.errors import (
     PipelineIncompatibleModel,
 )
 from lightning_parallel.pipeline.order import RunOrder, outside_blocks
-from lightning_parallel.pipeline.placement import check as check_placement
-from lightning_parallel.pipeline.placement import rank_of_stage, stages_of_rank
+from lightning_parallel.pipeline.schedules.placement import check as check_placement
+from lightning_parallel.pipeline.schedules.placement import (
+    rank_of_stage,
+    stages_of_rank,
+)
 
 
 def find_blocks(module: nn.Module, path: str | None = None) -> tuple[str, nn.Module]:

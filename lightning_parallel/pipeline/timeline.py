@@ -26,13 +26,18 @@ import torch.multiprocessing as mp
 
 from lightning_parallel.errors import ConfigurationError
 from lightning_parallel.options import ParallelOptions
-from lightning_parallel.pipeline.placement import chunks_per_rank
-from lightning_parallel.pipeline.schedules import SCHEDULES, all_ranks
-from lightning_parallel.pipeline.simulator import Interval, simulate
+from lightning_parallel.pipeline.schedules import (
+    SCHEDULES,
+    Interval,
+    Op,
+    all_ranks,
+    chunks_per_rank,
+    simulate,
+)
 
 # (chunk 0, other chunks); W is a weight-gradient pass split off its backward (``backward_split``)
-_COLOURS = {"F": ("#9ecae1", "#6baed6"), "B": ("#3182bd", "#08519c"), "W": ("#756bb1", "#54278f")}
-_LABELS = {"F": "forward", "B": "backward", "W": "weight-gradient pass"}
+_COLOURS = {Op.F: ("#9ecae1", "#6baed6"), Op.B: ("#3182bd", "#08519c"), Op.W: ("#756bb1", "#54278f")}
+_LABELS = {Op.F: "forward", Op.B: "backward", Op.W: "weight-gradient pass"}
 DEFAULT_OUT = os.path.join(tempfile.gettempdir(), "pipeline_timeline.png")
 
 
@@ -53,12 +58,12 @@ def _draw(ax, intervals: list[Interval], ranks: int, title: str, unit: str) -> N
         colour = _COLOURS[i.op][0 if i.stage < ranks else 1]
         ax.barh(i.rank, i.end - i.start, left=i.start, height=0.8, color=colour, edgecolor="black", linewidth=0.4)
         ax.text((i.start + i.end) / 2, i.rank, str(i.microbatch), ha="center", va="center", fontsize=7,
-                color="black" if i.op == "F" else "white")
+                color="black" if i.op is Op.F else "white")
     ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
     ax.invert_yaxis()
     ax.set_xlabel(unit)
     ax.set_title(f"{title}: bubble {bubble_fraction(intervals, ranks):.1%} of the step")
-    ops = sorted({i.op for i in intervals}, key="FBW".index)
+    ops = [op for op in _COLOURS if any(i.op is op for i in intervals)]
     chunked = any(i.stage >= ranks for i in intervals)
     handles = [Patch(color=_COLOURS[op][0], label=_LABELS[op] + (" (chunk 0; later chunks darker)" if chunked else ""))
                for op in ops]
@@ -113,7 +118,7 @@ def _record(rank: int, stages: int, micro_batches: int, schedule: str, virtual_s
         engine.timeline = [] if step == 2 else None
         dist.barrier()
         engine.training_step(batch, step)
-    torch.save([vars(i) for i in engine.timeline], f"{out}/rank{rank}.pt")
+    torch.save(engine.timeline, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -125,15 +130,15 @@ def measure(stages: int, micro_batches: int, schedule: str, virtual_stages: int 
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(_record, (stages, micro_batches, schedule, virtual_stages, port, out),
                            nprocs=stages, start_method="fork")
-        return [Interval(**i) for r in range(stages) for i in _load_rank(f"{out}/rank{r}.pt", r)]
+        return [i for r in range(stages) for i in _load_rank(f"{out}/rank{r}.pt", r)]
 
 
-def _load_rank(path: str, rank: int) -> list[dict]:
+def _load_rank(path: str, rank: int) -> list[Interval]:
     """One rank's recorded intervals; a clear error when the file is missing or empty."""
     if not os.path.exists(path) or os.path.getsize(path) == 0:
         raise TimelineError(f"rank {rank} left no intervals in {path} (the file is missing or empty): its "
                             "training step did not finish; see that rank's error above")
-    return torch.load(path)
+    return torch.load(path, weights_only=False)  # written a moment ago by this run's own processes
 
 
 def main(argv: Optional[list[str]] = None) -> None:
