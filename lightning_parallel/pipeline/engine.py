@@ -6,7 +6,8 @@ the optimizers exist; the example batch shows in which order the model's modules
 ``sync_tied_grads`` before clipping and the optimizer step. Each training step splits the batch
 into micro-batches (fewer when the batch has fewer samples) and executes this rank's action list
 from ``schedules`` (GPipe, 1F1B, interleaved 1F1B, or ZB-H1, ZB-V and DualPipeV of
-``zero_bubble``). Forwards draw random numbers from the stage's
+``schedules.zero_bubble``; ``schedules.RankPlan`` says what else executing it needs), keeping what
+the actions hand each other in a ``step_state.StepState``. Forwards draw random numbers from the stage's
 own stream (``randomness``). A forward action calls the user's own ``training_step`` on the micro-batch; the
 stand-ins of ``stage_modules`` make it compute only this stage's blocks and stop at the stage
 boundary. A backward action back-propagates the received gradient (or, on the last stage, the
@@ -49,8 +50,6 @@ from lightning_parallel.pipeline.logs import LogCapture, replay
 from lightning_parallel.pipeline.memory import ActivationMeter
 from lightning_parallel.pipeline.meta_trace import meta_batch, meta_device
 from lightning_parallel.pipeline.microbatch import (
-    batch_size,
-    merge_outputs,
     signature,
     split_batch,
     whole_batch_values,
@@ -359,7 +358,7 @@ class PipelineEngine:
             for pending in step.sending.values():
                 self._release(pending)
             self.runtime.forget_substitutions()
-        return self._finish(step, [batch_size(m) for m in micro])
+        return self._finish(step)
 
     def _compute(self, a: Action, step: StepState) -> None:
         """Run compute action ``a``: a forward, a backward (the input gradient alone where a W follows), a W."""
@@ -548,7 +547,7 @@ class PipelineEngine:
             step.loss_shares = (learnt.shares(step.micro) if isinstance(learnt, TargetCount) else None) or step.shares
         return step.loss_shares
 
-    def _finish(self, step: StepState, sizes: list[int]) -> Any:
+    def _finish(self, step: StepState) -> Any:
         """Broadcast the last stage's loss (or outputs) and log records; replay the logs everywhere.
 
         Training returns the batch's loss, or ``{"loss": ..., **extras}`` where ``training_step``
@@ -557,7 +556,7 @@ class PipelineEngine:
         and the logged values learnt to be the loss, combine with the loss's shares; other logged means
         with the samples' shares.
         """
-        mesh, results, training = self.mesh, step.results, step.training
+        mesh, training = self.mesh, step.training
         payload: Any = None
         holder = self.plan.rank_of_stage(self.plan.num_stages - 1)  # the rank of the last stage
         if mesh.pp_rank == holder:
@@ -565,19 +564,10 @@ class PipelineEngine:
             as_loss = learnt.logged if isinstance(learnt, TargetCount) else frozenset()
             loss_shares = self._loss_shares(step)
             records = self.capture.records(lambda name, mb: (loss_shares if name in as_loss else step.shares)[mb])
-            extras = None
             if training:
-                # at least float32 (a bf16 loss is summed in float32), float64 under ``64-true``, in one copy to
-                # the host; a micro-batch without targets (its mean is NaN) takes no part, as on one device
-                losses = torch.stack([results[mb] for mb in range(len(loss_shares))])
-                losses = losses.to(torch.promote_types(losses.dtype, torch.float32)).cpu()
-                value = sum(w * losses[mb] for mb, w in enumerate(loss_shares) if w)
-                if len(step.extras) == len(results):
-                    extras = tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v,
-                                      merge_outputs([step.extras[mb] for mb in sorted(step.extras)], sizes))
+                payload = (step.batch_loss(loss_shares), records, step.merged_extras())
             else:
-                value = merge_outputs([results[mb] for mb in sorted(results)], sizes)
-            payload = (value, records, extras)
+                payload = (step.merged_results(), records, None)
         if mesh.pp_size > 1:
             payload = broadcast_object(payload, mesh.stage_rank(holder), mesh.pp_group, self.link.device,
                                        mesh.pp_rank == holder)

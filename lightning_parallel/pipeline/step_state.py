@@ -5,7 +5,8 @@ a later one needs: a forward the output its backward starts from, a receive the 
 forward takes, a split backward the weight pass its ``W`` runs. ``StepState`` holds it for one step,
 one ``Slot`` per (micro-batch, stage) this rank works on, so each item has a name and a type and is
 dropped (set to None) by the action that uses it last, releasing its memory as early as the
-schedule allows.
+schedule allows. On the last stage it also holds what the user's step returned for each
+micro-batch, and combines those into what one call on the whole batch would have returned.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
+from lightning_parallel.compat import tree_map
 from lightning_parallel.pipeline.backward_split import WeightPass
+from lightning_parallel.pipeline.microbatch import batch_size, merge_outputs
 
 
 @dataclass
@@ -82,3 +85,26 @@ class StepState:
         if found is None:
             found = self.slots[(microbatch, stage)] = Slot()
         return found
+
+    def batch_loss(self, loss_shares: list[float]) -> torch.Tensor:
+        """The batch's loss on the last stage: the micro-batches' losses weighted by ``loss_shares``.
+
+        Summed in at least float32 (a bf16 loss in float32, float64 under ``64-true``), in one copy to the
+        host; a micro-batch without targets (its mean is NaN) takes no part, as on one device.
+        """
+        losses = torch.stack([self.results[mb] for mb in range(len(loss_shares))])
+        losses = losses.to(torch.promote_types(losses.dtype, torch.float32)).cpu()
+        return sum(w * losses[mb] for mb, w in enumerate(loss_shares) if w)
+
+    def merged_extras(self) -> Optional[Any]:
+        """What ``training_step`` returned beside the loss, merged over the micro-batches on the host
+        (``microbatch.merge_outputs``); None unless every micro-batch returned more than its loss."""
+        if len(self.extras) != len(self.results):
+            return None
+        merged = merge_outputs([self.extras[mb] for mb in sorted(self.extras)], [batch_size(m) for m in self.micro])
+        return tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, merged)
+
+    def merged_results(self) -> Any:
+        """The evaluation step's outputs merged over the micro-batches: what one call on the whole batch
+        would have returned (``microbatch.merge_outputs``)."""
+        return merge_outputs([self.results[mb] for mb in sorted(self.results)], [batch_size(m) for m in self.micro])
