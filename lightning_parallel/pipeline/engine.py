@@ -460,7 +460,7 @@ class PipelineEngine:
             # the output's storage was released after sending; run the engine on its graph directly
             roots, root_grads = (slot.output,), (slot.output_grad,)
             slot.output = slot.output_grad = None
-        if a.work in step.split and self.split_backward:
+        if a.unit in step.split and self.split_backward:
             try:
                 grad, weight_pass = backward_input(roots, root_grads, received)
             except SplitUnsupported:

@@ -136,7 +136,7 @@ class StageLink:
         for m in _in_order(messages, Op.RECV_F, Op.RECV_B):
             if m.action in self.posted:
                 continue
-            mb, stage = m.action.work
+            mb, stage = m.action.unit
             if m.action.op is Op.RECV_F:
                 known = self._known_input(mb, stage, key_of)
                 if known is None:
@@ -152,7 +152,7 @@ class StageLink:
     def _send_ops(self, m: Message, key_of: Callable[[int], Hashable]) -> list[dist.P2POp]:
         """The ops of one send: a gradient to the previous stage; a hidden state to the next, behind a
         header with its shape where it is the first of its micro-batch key."""
-        mb, stage = m.action.work
+        mb, stage = m.action.unit
         if m.action.op is Op.SEND_B:
             return [dist.P2POp(dist.isend, m.tensor, self.peer_rank(stage - 1), self.group,
                                self._tag(_GRAD, mb, stage - 1))]
@@ -192,7 +192,7 @@ class StageLink:
         waiting: list[dist.Work] = []  # receives this exchange must wait for
         headers: list[tuple[Message, Optional[torch.Tensor]]] = []  # hidden states whose shape comes first
         for m in _in_order(messages, Op.RECV_F, Op.RECV_B):
-            mb, stage = m.action.work
+            mb, stage = m.action.unit
             ahead = self.posted.pop(m.action, None)
             if ahead is not None:
                 waiting += ahead.works
@@ -224,7 +224,7 @@ class StageLink:
             w.wait()
         payload_ops = []
         for m, header in headers:
-            mb, stage = m.action.work
+            mb, stage = m.action.unit
             if header is not None:
                 ndim, dtype, convention = header[:3].tolist()
                 self.received[(stage, key_of(mb))] = (tuple(header[3 : 3 + ndim].tolist()), dtype, convention)

@@ -39,10 +39,12 @@ class Op(enum.Enum):
 
     @property
     def is_receive(self) -> bool:
+        """Whether the operation waits for a message (a blocking receive)."""
         return self in (Op.RECV_F, Op.RECV_B)
 
     @property
     def is_send(self) -> bool:
+        """Whether the operation posts a message (an asynchronous send)."""
         return self in (Op.SEND_F, Op.SEND_B)
 
 
@@ -61,8 +63,8 @@ class Action:
         return f"{self.op}{self.microbatch}@{self.stage}"
 
     @property
-    def work(self) -> tuple[int, int]:
-        """``(micro-batch, stage)``: what the action works on, shared by the F, B, W and messages of it."""
+    def unit(self) -> tuple[int, int]:
+        """``(micro-batch, stage)``: the unit of work the action belongs to, shared by its F, B, W and messages."""
         return self.microbatch, self.stage
 
 

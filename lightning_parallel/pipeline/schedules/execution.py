@@ -78,9 +78,9 @@ class RankPlan:
     def of(cls, schedules: list[list[Action]], rank: int) -> RankPlan:
         """The plan of ``rank`` from every rank's schedule (all are needed to know when sends are delivered)."""
         mine = schedules[rank]
-        split = frozenset(a.work for a in mine if a.op is Op.W)
+        split = frozenset(a.unit for a in mine if a.op is Op.W)
         last_b = {a.stage: i for i, a in enumerate(mine) if a.op is Op.B}
-        last_w = {a.stage: i for i, a in enumerate(mine) if a.op is Op.W or (a.op is Op.B and a.work not in split)}
+        last_w = {a.stage: i for i, a in enumerate(mine) if a.op is Op.W or (a.op is Op.B and a.unit not in split)}
         return cls(mine, send_completion_points(schedules)[rank], communication_runs(mine), split,
                    {i: s for s, i in last_w.items()}, {i: s for s, i in last_b.items()})
 

@@ -59,7 +59,7 @@ def simulate(schedules: list[list[Action]], forward_cost: Cost = 1.0, backward_c
         cost = costs[op]
         return cost[stage] if isinstance(cost, Mapping) else cost
 
-    split = {a.work for acts in schedules for a in acts if a.op is Op.W}
+    split = {a.unit for acts in schedules for a in acts if a.op is Op.W}
     ready_at: dict[Action, float] = {}  # receive -> when its message arrives
     clock = [0.0] * len(schedules)
     in_flight = [0] * len(schedules)
@@ -73,7 +73,7 @@ def simulate(schedules: list[list[Action]], forward_cost: Cost = 1.0, backward_c
             receive = matching_receive(a)
             ready_at[receive] = clock[rank] + (message_cost if holder[receive.stage] != rank else 0.0)
         else:
-            whole = a.op is Op.B and a.work not in split
+            whole = a.op is Op.B and a.unit not in split
             cost = cost_of(a.op, a.stage) + (cost_of(Op.W, a.stage) if whole else 0.0)
             intervals.append(Interval(rank, a.op, a.microbatch, a.stage, clock[rank], clock[rank] + cost))
             clock[rank] += cost

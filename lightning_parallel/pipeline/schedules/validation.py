@@ -42,10 +42,10 @@ def validate(schedules: list[list[Action]], micro_batches: int, placement: str |
             seen[a] = pos
         mine = {(mb, s) for mb, s in expected if rank_of_stage(s, ranks, total, placement) == rank}
         for op in (Op.F, Op.B):
-            got = {a.work for a in seen if a.op is op}
+            got = {a.unit for a in seen if a.op is op}
             if got != mine:
                 raise PipelineConfigError(f"rank {rank}: {op} missing for {sorted(mine - got)}, extra {sorted(got - mine)}")
-        weights = {a.work for a in seen if a.op is Op.W}
+        weights = {a.unit for a in seen if a.op is Op.W}
         if weights - mine:
             raise PipelineConfigError(f"rank {rank}: W of {sorted(weights - mine)} has no forward or backward")
         for mb, s in mine:
