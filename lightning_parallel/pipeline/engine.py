@@ -326,32 +326,32 @@ class PipelineEngine:
             raise RuntimeError("PipelineEngine.partition() must run before the first step")
         micro, shares = split_batch(batch, self.micro_batches)
         training = loss_scale is not None
-        plan = self._schedule(len(micro), training)
+        rank_plan = self._schedule(len(micro), training)
         if self.randomness is None:  # on the device the stage computes on (known after materialising)
             self.randomness = StageRandomness(self._seed, self.mesh.pp_rank, self.link.device)
         # equal on every stage, which all see the same batch: micro-batches with one key give one shape
         keys = [(w, signature(m), training) for w, m in zip(shares, micro)]
         self.link.new_step()
-        actions = plan.actions
-        step = StepState(micro, shares, step_fn, step_args, loss_scale, plan.split)
+        actions = rank_plan.actions
+        step = StepState(micro, shares, step_fn, step_args, loss_scale, rank_plan.split)
         if self.mesh.pp_rank == self.plan.rank_of_stage(self.plan.num_stages - 1) and step.name in self.targets:
             # the targets' counts reach the host now, before this step's kernels queue behind the read
             self._loss_shares(step)
-        run_at = {start: n for n, (start, _) in enumerate(plan.runs)}
+        run_at = {start: n for n, (start, _) in enumerate(rank_plan.runs)}
         with self.capture.recording():
             i = 0
             while i < len(actions):
-                for index in [k for k in step.sending if plan.delivered_by.get(k, len(actions)) < i]:
+                for index in [k for k in step.sending if rank_plan.delivered_by.get(k, len(actions)) < i]:
                     self._release(step.sending.pop(index))
                 if i in run_at:
                     n = run_at[i]
-                    self._communicate(actions, *plan.runs[n], step, keys.__getitem__)
-                    if n + 1 < len(plan.runs):
-                        start, stop = plan.runs[n + 1]
+                    self._communicate(actions, *rank_plan.runs[n], step, keys.__getitem__)
+                    if n + 1 < len(rank_plan.runs):
+                        start, stop = rank_plan.runs[n + 1]
                         self.link.receive_ahead(self._receives_ahead(actions[start:stop], step), keys.__getitem__)
-                    i = plan.runs[n][1]
+                    i = rank_plan.runs[n][1]
                     continue
-                final = plan.completes_weights(i, self.split_backward) if training else None
+                final = rank_plan.completes_weights(i, self.split_backward) if training else None
                 with self.final_weight_context(final) if final is not None else nullcontext():
                     self._compute(actions[i], step)
                 i += 1
