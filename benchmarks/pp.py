@@ -36,7 +36,7 @@ machine load hits both alike), with the smallest and largest of those ratios (``
 noise does to a single pair); the bubble of each, measured from the forward, input-gradient and
 weight-gradient intervals of one step (idle share of ranks x step time,
 ``pipeline.timeline.bubble_fraction``); our bubble as the schedule simulator predicts it from the
-mean F, B and W durations of that same step (``pipeline.simulator``); and the peak resident
+mean F, B and W durations of that same step (``pipeline.schedules.simulator``); and the peak resident
 memory per rank during a step above what the rank held once model, optimizer and pipeline were
 built, measured in separate processes whose allocator returns every freed large tensor to the OS,
 so buffers kept from step to step count as well as those allocated within one. Then our fastest
@@ -76,13 +76,16 @@ from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.models.gpt import GPT
 from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline import PipelineEngine
-from lightning_parallel.pipeline.placement import stages_of_rank
 from lightning_parallel.pipeline.schedules import (
+    REGISTRY,
     SCHEDULES,
+    Interval,
+    Op,
     defer_last_weight_pass,
+    simulate,
+    stages_of_rank,
     validate_schedule,
 )
-from lightning_parallel.pipeline.simulator import Interval, simulate
 from lightning_parallel.pipeline.timeline import bubble_fraction, render
 
 # ours -> torch's class of the same schedule
@@ -94,13 +97,13 @@ PEERS = {
     "zbv": "ScheduleZBVZeroBubble",
     "dualpipev": "ScheduleDualPipeV",
 }
-CHUNKS = {"interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}  # model chunks per rank; 1 for the others
 TORCH_V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")  # torch places their stages with style="v"
 SEQUENCE = 64
 
 
 def chunks(schedule: str) -> int:
-    return CHUNKS.get(schedule, 1)
+    """Model chunks per rank: the schedule's own number, 2 for interleaved 1F1B (which takes any from 2)."""
+    return REGISTRY[schedule].chunks or 2
 
 
 def peer_stages_of_rank(schedule: str, ranks: int, rank: int) -> list[int]:
@@ -162,7 +165,7 @@ def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
                              lr=3e-3, betas=(0.9, 0.95))
 
 
-def timed(fn, intervals: list[Interval], rank: int, stage: int, op: str):
+def timed(fn, intervals: list[Interval], rank: int, stage: int, op: Op):
     """Record the compute intervals of a peer stage (perf_counter is comparable across processes)."""
     def wrapper(chunk, *args, **kwargs):
         t0 = time.perf_counter()
@@ -213,10 +216,10 @@ def build_torch(schedule: str, rank: int, args):
     peer = kind(stages[0] if one_stage else stages, M, loss_fn=loss_fn, scale_grads=False)
     intervals: list[Interval] = []
     for s, stage in zip(mine, stages):
-        stage.forward_one_chunk = timed(stage.forward_one_chunk, intervals, rank, s, "F")
+        stage.forward_one_chunk = timed(stage.forward_one_chunk, intervals, rank, s, Op.F)
         # with full_backward=True (unsplit schedules) it computes both gradients, as our B does there
-        stage.backward_one_chunk = timed(stage.backward_one_chunk, intervals, rank, s, "B")
-        stage.backward_weight_one_chunk = timed(stage.backward_weight_one_chunk, intervals, rank, s, "W")
+        stage.backward_one_chunk = timed(stage.backward_one_chunk, intervals, rank, s, Op.B)
+        stage.backward_weight_one_chunk = timed(stage.backward_weight_one_chunk, intervals, rank, s, Op.W)
     compute_loss = peer._compute_loss
 
     def loss_in_forward(*a, **kw):  # ours computes the loss inside its forward: count it there too
@@ -312,7 +315,8 @@ def launch(impl: str, schedule: str, args, measure: str) -> list[dict]:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(worker, (impl, schedule, args, port, out, measure), nprocs=args.stages, start_method="fork")
-        return [torch.load(f"{out}/{r}.pt") for r in range(args.stages)]
+        # written a moment ago by this run's own processes (their intervals hold ``Op`` members)
+        return [torch.load(f"{out}/{r}.pt", weights_only=False) for r in range(args.stages)]
 
 
 def predicted_bubble(schedule: str, intervals: list[Interval], message: float, args) -> float:
@@ -332,11 +336,11 @@ def predicted_bubble(schedule: str, intervals: list[Interval], message: float, a
     forwards, weights = defaultdict(list), defaultdict(list)
     backward_of = defaultdict(float)  # (stage, micro-batch) -> its B plus its W
     for i in intervals:
-        if i.op == "F":
+        if i.op is Op.F:
             forwards[i.stage].append(i.end - i.start)
         else:
             backward_of[(i.stage, i.microbatch)] += i.end - i.start
-            if i.op == "W":
+            if i.op is Op.W:
                 weights[i.stage].append(i.end - i.start)
     forward = {stage: statistics.fmean(d) for stage, d in forwards.items()}
     weight = {stage: statistics.fmean(weights[stage]) if weights[stage] else 0.0 for stage in forwards}
@@ -351,7 +355,7 @@ def same_order(schedule: str, intervals: list[Interval], args) -> bool:
     for rank, actions in enumerate(plan):
         ran = sorted((i for i in intervals if i.rank == rank), key=lambda i: i.start)
         if [(i.op, i.microbatch, i.stage) for i in ran] != [(a.op, a.microbatch, a.stage) for a in actions
-                                                              if a.op in ("F", "B", "W")]:
+                                                              if a.op.is_compute]:
             return False
     return True
 

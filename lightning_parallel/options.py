@@ -135,8 +135,8 @@ class ParallelOptions:
 
     @property
     def chunks(self) -> int:
-        """Model chunks per rank the schedule runs (``pipeline.placement.chunks_per_rank``)."""
-        from lightning_parallel.pipeline.placement import chunks_per_rank
+        """Model chunks per rank the schedule runs (``pipeline.schedules.chunks_per_rank``)."""
+        from lightning_parallel.pipeline.schedules import chunks_per_rank
 
         return chunks_per_rank(self.schedule_name, 1 if self.virtual_stages == AUTO else int(self.virtual_stages))
 

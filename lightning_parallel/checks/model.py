@@ -15,7 +15,7 @@ from lightning_parallel.pipeline.errors import (
     PipelineIncompatibleModel,
 )
 from lightning_parallel.pipeline.partition import StagePlan, block_lists, find_blocks, plan_stages
-from lightning_parallel.pipeline.placement import placement_of
+from lightning_parallel.pipeline.schedules import placement_of
 from lightning_parallel.tensor_parallel.detect import detect_plan
 from lightning_parallel.tensor_parallel.plan import TensorParallelError, parse_plan
 from lightning_parallel.tensor_parallel.resolve import (
@@ -29,8 +29,8 @@ def check_model(model: nn.Module, mesh: ParallelMesh,
                 options: ParallelOptions) -> tuple[list[Assignment], StagePlan | None]:
     """The TP assignments and pipeline stages of ``model`` on ``mesh`` with ``options`` (its TP plan,
     sequence parallelism, pipeline blocks and layout, stages placed as its schedule runs them, see
-    ``pipeline.placement``); refuses sizes the model does not divide, with the sizes that would work
-    (or, for a block list it does not find, the model's own lists that would) as fixes. Works on a
+    ``pipeline.schedules.placement``); refuses sizes the model does not divide, with the sizes that would
+    work (or, for a block list it does not find, the model's own lists that would) as fixes. Works on a
     model built on the meta device."""
     tp_plan, sequence_parallel, pipeline_blocks = options.tp_plan, options.sequence_parallel, options.pipeline_blocks
     virtual_stages, pipeline_layout = options.chunks, options.pipeline_layout

@@ -9,13 +9,16 @@ from lightning_parallel.pipeline.partition import StagePlan, plan_stages
 from lightning_parallel.pipeline.schedules import (
     SCHEDULES,
     Action,
+    Op,
+    Simulation,
     build_schedule,
+    simulate,
     validate,
 )
-from lightning_parallel.pipeline.simulator import Simulation, simulate
 
 __all__ = [
     "Action",
+    "Op",
     "PipelineConfigError",
     "PipelineEngine",
     "PipelineIncompatibleModel",

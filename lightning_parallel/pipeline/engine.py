@@ -6,7 +6,8 @@ the optimizers exist; the example batch shows in which order the model's modules
 ``sync_tied_grads`` before clipping and the optimizer step. Each training step splits the batch
 into micro-batches (fewer when the batch has fewer samples) and executes this rank's action list
 from ``schedules`` (GPipe, 1F1B, interleaved 1F1B, or ZB-H1, ZB-V and DualPipeV of
-``zero_bubble``). Forwards draw random numbers from the stage's
+``schedules.zero_bubble``; ``schedules.RankPlan`` says what else executing it needs), keeping what
+the actions hand each other in a ``step_state.StepState``. Forwards draw random numbers from the stage's
 own stream (``randomness``). A forward action calls the user's own ``training_step`` on the micro-batch; the
 stand-ins of ``stage_modules`` make it compute only this stage's blocks and stop at the stage
 boundary. A backward action back-propagates the received gradient (or, on the last stage, the
@@ -49,8 +50,6 @@ from lightning_parallel.pipeline.logs import LogCapture, replay
 from lightning_parallel.pipeline.memory import ActivationMeter
 from lightning_parallel.pipeline.meta_trace import meta_batch, meta_device
 from lightning_parallel.pipeline.microbatch import (
-    batch_size,
-    merge_outputs,
     signature,
     split_batch,
     whole_batch_values,
@@ -60,26 +59,25 @@ from lightning_parallel.pipeline.order import (
     trace_run_order,
     traced_conditions,
 )
-from lightning_parallel.pipeline.p2p import StageLink
+from lightning_parallel.pipeline.p2p import Message, StageLink
 from lightning_parallel.pipeline.partition import plan_stages, shared_parameters
-from lightning_parallel.pipeline.placement import placement_of
 from lightning_parallel.pipeline.randomness import StageRandomness
 from lightning_parallel.pipeline.schedules import (
-    SCHEDULES,
-    communication_runs,
-    defer_last_weight_pass,
-    schedule_flush,
-    schedule_forward_only,
-    send_completion_points,
-    validate,
+    Action,
+    Interval,
+    Op,
+    RankPlan,
+    placement_of,
+    schedule_spec,
+    step_schedules,
     validate_schedule,
 )
-from lightning_parallel.pipeline.simulator import Interval
 from lightning_parallel.pipeline.stage_modules import (
     StageExit,
     StageRuntime,
     apply_stage_plan,
 )
+from lightning_parallel.pipeline.step_state import PendingSend, StepState
 from lightning_parallel.pipeline.targets import (
     CrossEntropyCalls,
     TargetCount,
@@ -87,37 +85,6 @@ from lightning_parallel.pipeline.targets import (
     padding_hint,
     unfit,
 )
-
-
-@dataclasses.dataclass
-class _Step:
-    """What one step's actions share, keyed by (micro-batch, stage) unless said otherwise."""
-
-    micro: list
-    shares: list[float]  # each micro-batch's share of the batch's samples
-    step_fn: Callable
-    step_args: tuple
-    loss_scale: Optional[float]  # None outside training
-    split: set  # backwards whose weight gradients a W computes
-    loss_shares: Optional[list[float]] = None  # of the loss's targets (``PipelineEngine._loss_shares``)
-    inputs: dict = dataclasses.field(default_factory=dict)  # received hidden states
-    conventions: dict = dataclasses.field(default_factory=dict)
-    outputs: dict = dataclasses.field(default_factory=dict)  # kept for backward (storage released after send)
-    out_meta: dict = dataclasses.field(default_factory=dict)
-    grads: dict = dataclasses.field(default_factory=dict)  # gradients of the outputs, received
-    input_grads: dict = dataclasses.field(default_factory=dict)
-    weight_passes: dict = dataclasses.field(default_factory=dict)  # left by a B for its W
-    results: dict = dataclasses.field(default_factory=dict)  # mb -> the user's step's return on the last stage
-    extras: dict = dataclasses.field(default_factory=dict)  # mb -> what training_step returned beside "loss"
-    sending: dict = dataclasses.field(default_factory=dict)  # action index of a send -> (works, bytes kept alive)
-
-    @property
-    def training(self) -> bool:
-        return self.loss_scale is not None
-
-    @property
-    def name(self) -> str:
-        return getattr(self.step_fn, "__name__", "step")
 
 
 class PipelineEngine:
@@ -133,8 +100,7 @@ class PipelineEngine:
 
     def __init__(self, module: nn.Module, mesh: ParallelMesh, options: ParallelOptions):
         schedule, micro_batches = options.schedule_name, options.micro_batches or mesh.pp_size
-        if schedule not in SCHEDULES:
-            raise PipelineConfigError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        schedule_spec(schedule)  # refuses an unknown name
         if not isinstance(micro_batches, int) or micro_batches < 1:
             raise PipelineConfigError(f"micro_batches must be a positive integer, got {micro_batches!r}")
         self.module, self.mesh = module, mesh
@@ -159,7 +125,7 @@ class PipelineEngine:
         # reduction of those gradients with the rest of the step; a weight two local stages share (a tied
         # embedding in a V) gets its last addition in the later of the two
         self.final_weight_context: Callable[[int], ContextManager] = lambda stage: nullcontext()
-        self._schedules: dict[tuple[int, bool], tuple] = {}
+        self._schedules: dict[tuple[int, bool], RankPlan] = {}
         # per step name: where its loss's targets are in the batch, or why that is unknown (``targets``);
         # learnt from the setup trace, or from the first real forward on the last stage
         self.targets: dict[str, Union[TargetCount, str]] = {}
@@ -309,35 +275,15 @@ class PipelineEngine:
         if found:
             raise PipelineIncompatibleModel(found[0])
 
-    def _schedule(self, micro_batches: int, training: bool) -> tuple:
-        """This rank's actions for a step of ``micro_batches``, with the points where its sends are known
-        delivered and can be freed, its runs of communication actions, and for each of its stages the
-        index of the action that last adds to its weight gradients when backwards are split (the last
-        W, or the last B where the schedule has no W for it) and when they are not (the last B)."""
+    def _schedule(self, micro_batches: int, training: bool) -> RankPlan:
+        """This rank's plan for a step of ``micro_batches`` (``RankPlan``: its actions, with the points where
+        its sends are known delivered and can be freed, its runs of communication actions, and for each of
+        its stages the action that last adds to its weight gradients), worked out once per step shape."""
         key = (micro_batches, training)
         if key not in self._schedules:
-            mesh, rank = self.mesh, self.mesh.pp_rank
-            if training:
-                try:
-                    every = validate_schedule(self.schedule_name, mesh.pp_size, micro_batches, self.virtual_stages)
-                except PipelineConfigError:
-                    if micro_batches >= self.micro_batches:
-                        raise
-                    # a short last batch (fewer samples than micro_batches) the schedule cannot split: GPipe order
-                    every = [schedule_flush(mesh.pp_size, micro_batches, r, self.virtual_stages, self.placement)
-                             for r in range(mesh.pp_size)]
-                    validate(every, micro_batches, self.placement)
-                every = [defer_last_weight_pass(acts) for acts in every]
-            else:
-                every = [schedule_forward_only(mesh.pp_size, micro_batches, r, self.virtual_stages, self.placement)
-                         for r in range(mesh.pp_size)]
-            mine = every[rank]
-            split = {(a.microbatch, a.stage) for a in mine if a.op == "W"}
-            last_b = {a.stage: i for i, a in enumerate(mine) if a.op == "B"}
-            last_w = {a.stage: i for i, a in enumerate(mine)
-                      if a.op == "W" or (a.op == "B" and (a.microbatch, a.stage) not in split)}
-            finals = ({i: s for s, i in last_w.items()}, {i: s for s, i in last_b.items()})
-            self._schedules[key] = (mine, send_completion_points(every)[rank], communication_runs(mine), finals)
+            every = step_schedules(self.schedule_name, self.mesh.pp_size, micro_batches, self.virtual_stages,
+                                   training, short=micro_batches < self.micro_batches)
+            self._schedules[key] = RankPlan.of(every, self.mesh.pp_rank)
         return self._schedules[key]
 
     # ---- the strategy's calls ---------------------------------------------------------------
@@ -380,84 +326,74 @@ class PipelineEngine:
             raise RuntimeError("PipelineEngine.partition() must run before the first step")
         micro, shares = split_batch(batch, self.micro_batches)
         training = loss_scale is not None
-        schedule = self._schedule(len(micro), training)
+        rank_plan = self._schedule(len(micro), training)
         if self.randomness is None:  # on the device the stage computes on (known after materialising)
             self.randomness = StageRandomness(self._seed, self.mesh.pp_rank, self.link.device)
         # equal on every stage, which all see the same batch: micro-batches with one key give one shape
         keys = [(w, signature(m), training) for w, m in zip(shares, micro)]
         self.link.new_step()
-        actions, delivered_by, runs, finals = schedule
-        split = {(a.microbatch, a.stage) for a in actions if a.op == "W"}
-        step = _Step(micro, shares, step_fn, step_args, loss_scale, split)
+        actions = rank_plan.actions
+        step = StepState(micro, shares, step_fn, step_args, loss_scale, rank_plan.split)
         if self.mesh.pp_rank == self.plan.rank_of_stage(self.plan.num_stages - 1) and step.name in self.targets:
             # the targets' counts reach the host now, before this step's kernels queue behind the read
             self._loss_shares(step)
-        run_at = {start: n for n, (start, _) in enumerate(runs)}
-        sending = step.sending
+        run_at = {start: n for n, (start, _) in enumerate(rank_plan.runs)}
         with self.capture.recording():
             i = 0
             while i < len(actions):
-                for index in [k for k in sending if delivered_by.get(k, len(actions)) < i]:
-                    self._release(*sending.pop(index))
+                for index in [k for k in step.sending if rank_plan.delivered_by.get(k, len(actions)) < i]:
+                    self._release(step.sending.pop(index))
                 if i in run_at:
                     n = run_at[i]
-                    self._communicate(actions, *runs[n], step, keys.__getitem__)
-                    if n + 1 < len(runs):
-                        start, stop = runs[n + 1]
-                        here = self.mesh.pp_rank
-                        ahead = [(a.microbatch, a.stage) for a in actions[start:stop]
-                                 if a.op == "recv_f" and self.plan.rank_of_stage(a.stage - 1) != here]
-                        grads = [(a.microbatch, a.stage, *step.out_meta[(a.microbatch, a.stage)])
-                                 for a in actions[start:stop] if a.op == "recv_b"
-                                 and self.plan.rank_of_stage(a.stage + 1) != here
-                                 and (a.microbatch, a.stage) in step.out_meta]
-                        self.link.receive_ahead(ahead, keys.__getitem__, grads)
-                    i = runs[n][1]
+                    self._communicate(actions, *rank_plan.runs[n], step, keys.__getitem__)
+                    if n + 1 < len(rank_plan.runs):
+                        start, stop = rank_plan.runs[n + 1]
+                        self.link.receive_ahead(self._receives_ahead(actions[start:stop], step), keys.__getitem__)
+                    i = rank_plan.runs[n][1]
                     continue
-                a = actions[i]
-                final = finals[0 if self.split_backward else 1].get(i) if training else None
+                final = rank_plan.completes_weights(i, self.split_backward) if training else None
                 with self.final_weight_context(final) if final is not None else nullcontext():
-                    self._compute(a, step)
+                    self._compute(actions[i], step)
                 i += 1
-            for works, nbytes in sending.values():
-                self._release(works, nbytes)
+            for pending in step.sending.values():
+                self._release(pending)
             self.runtime.forget_substitutions()
-        return self._finish(step, [batch_size(m) for m in micro])
+        return self._finish(step)
 
-    def _compute(self, a, step: _Step) -> None:
+    def _compute(self, a: Action, step: StepState) -> None:
         """Run compute action ``a``: a forward, a backward (the input gradient alone where a W follows), a W."""
         last = self.plan.num_stages - 1
         t0 = time.perf_counter()
-        key = (a.microbatch, a.stage)
-        if a.op == "F":
+        slot = step.slot(a.microbatch, a.stage)
+        if a.op is Op.F:
             self.capture.microbatch = a.microbatch
-            received = step.inputs.get(key) if step.training else step.inputs.pop(key, None)  # kept for backward
+            received = slot.input
+            if not step.training:
+                slot.input = None  # kept for backward only
             learning = a.stage == last and step.name not in self.targets
             with CrossEntropyCalls() if learning else nullcontext() as losses:
                 out = self._forward(a.stage, step.micro[a.microbatch], step.step_fn, step.step_args, received,
-                                    step.conventions.get(key), step.training)
+                                    slot.convention, step.training)
             if learning:
                 self._learn(step.name, losses.calls, step.micro[a.microbatch], out, self.capture.logged(a.microbatch),
                             step.micro, True)
             if a.stage == last:
                 step.results[a.microbatch] = out
             else:
-                step.outputs[key], step.conventions[(a.microbatch, a.stage + 1)] = out
-                step.out_meta[key] = (out[0].shape, out[0].dtype)
+                slot.output, step.slot(a.microbatch, a.stage + 1).convention = out
+                slot.output_like = (out[0].shape, out[0].dtype)
                 if self.meter:
                     self.meter.add(out[0].untyped_storage().nbytes())
-        elif a.op == "B":
-            received = step.inputs.pop(key) if a.stage > 0 else None
-            grad, weight_pass = self._backward(a.stage == last, step, key, received, key in step.split)
-            if weight_pass is not None:
-                step.weight_passes[key] = weight_pass
+        elif a.op is Op.B:
+            received, slot.input = slot.input, None
+            grad, slot.weight_pass = self._backward(a, step, received)
             if received is not None:
-                step.input_grads[key] = grad
+                slot.input_grad = grad
         else:
-            weight_pass = step.weight_passes.pop(key, None)  # none where the backward could not be split
+            weight_pass, slot.weight_pass = slot.weight_pass, None  # none where the backward could not be split
             if weight_pass is not None:
                 weight_pass()
-        self._record(a.op, a.microbatch, a.stage, t0)
+        self._record(a, t0)
 
     def _forward(self, stage, micro_batch, step_fn, step_args, received, convention, training):
         if received is not None and training:
@@ -490,39 +426,41 @@ class PipelineEngine:
             )
         return result
 
-    def _record(self, op: str, microbatch: int, stage: int, start: float) -> None:
+    def _record(self, a: Action, start: float) -> None:
         if self.timeline is not None:
             # perf_counter is the system's monotonic clock, comparable across local processes
-            self.timeline.append(Interval(self.mesh.pp_rank, op, microbatch, stage, start, time.perf_counter()))
+            self.timeline.append(Interval(self.mesh.pp_rank, a.op, a.microbatch, a.stage, start, time.perf_counter()))
 
-    def _backward(self, is_last: bool, step: _Step, key: tuple, received: Optional[torch.Tensor], split: bool):
-        """Back-propagate one micro-batch; returns ``(input_grad, weight_pass)``.
+    def _backward(self, a: Action, step: StepState, received: Optional[torch.Tensor]):
+        """Back-propagate micro-batch ``a.microbatch`` through stage ``a.stage``; returns ``(input_grad, weight_pass)``.
 
-        ``split``: a W follows, so compute only the input gradient now and return the weight pass
+        Where a W follows (``step.split``), compute only the input gradient now and return the weight pass
         (``backward_split``; on the first stage, which has no input gradient, the weight pass is
         the whole backward). A graph that refuses a partial backward (reentrant activation
         checkpointing), or that recomputes forwards during backward (non-reentrant checkpointing,
         which would recompute once more in the weight pass), makes this and every later backward
         whole; W then has nothing left to do.
         """
-        if is_last:
-            result = step.results[key[0]]
+        mb, slot = a.microbatch, step.slot(a.microbatch, a.stage)
+        if a.stage == self.plan.num_stages - 1:
+            result = step.results[mb]
             loss = result["loss"] if isinstance(result, dict) else result
             if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
                 raise PipelineConfigError(
                     "training_step must return a loss tensor that requires grad (or a dict with 'loss') under "
                     f"pipeline parallelism, got {type(result).__name__}"
                 )
-            root = loss * (self._loss_shares(step)[key[0]] * step.loss_scale)
+            root = loss * (self._loss_shares(step)[mb] * step.loss_scale)
             roots, root_grads = (root,), (torch.ones_like(root),)
-            step.results[key[0]] = loss.detach()  # the graph's nodes would keep tensors alive until the step ends
+            step.results[mb] = loss.detach()  # the graph's nodes would keep tensors alive until the step ends
             if isinstance(result, dict) and len(result) > 1:  # on_train_batch_end sees them, as on one device
-                step.extras[key[0]] = tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v,
-                                               {k: v for k, v in result.items() if k != "loss"})
+                step.extras[mb] = tree_map(lambda v: v.detach() if isinstance(v, torch.Tensor) else v,
+                                           {k: v for k, v in result.items() if k != "loss"})
         else:
             # the output's storage was released after sending; run the engine on its graph directly
-            roots, root_grads = (step.outputs.pop(key),), (step.grads.pop(key),)
-        if split and self.split_backward:
+            roots, root_grads = (slot.output,), (slot.output_grad,)
+            slot.output = slot.output_grad = None
+        if a.unit in step.split and self.split_backward:
             try:
                 grad, weight_pass = backward_input(roots, root_grads, received)
             except SplitUnsupported:
@@ -535,58 +473,72 @@ class PipelineEngine:
             return None, None
         return (received.grad if received.grad is not None else torch.zeros_like(received)), None
 
-    def _communicate(self, actions, start: int, stop: int, step: _Step, key_of) -> None:
+    def _communicate(self, actions: list[Action], start: int, stop: int, step: StepState, key_of) -> None:
         """Post one run of communication actions; a neighbouring stage on this rank gets its tensor directly."""
-        sends_f, sends_b, recvs_f, recvs_b = [], [], [], []
-        send_f_at, send_b_at = [], []
-        here = self.mesh.pp_rank
+        here, messages, sends = self.mesh.pp_rank, [], []
         for index in range(start, stop):
             a = actions[index]
-            key = (a.microbatch, a.stage)
-            if a.op == "send_f":
-                # evaluation keeps nothing
-                out = step.outputs[key] if step.outputs[key].requires_grad else step.outputs.pop(key)
+            slot = step.slot(a.microbatch, a.stage)
+            if a.op is Op.SEND_F:
+                out, nxt = slot.output, step.slot(a.microbatch, a.stage + 1)
+                if not out.requires_grad:  # evaluation keeps nothing
+                    slot.output = None
                 if self.plan.rank_of_stage(a.stage + 1) == here:
-                    step.inputs[(a.microbatch, a.stage + 1)] = out.detach()
+                    nxt.input = out.detach()
                     if self.meter:  # from now on the next stage's saved tensors count it
                         self.meter.add(-out.untyped_storage().nbytes())
                     continue
-                sends_f.append((a.microbatch, a.stage, out, step.conventions[(a.microbatch, a.stage + 1)]))
-                send_f_at.append(index)
-            elif a.op == "send_b":
-                grad = step.input_grads.pop(key)
+                sends.append((index, Message(a, out, nxt.convention)))
+            elif a.op is Op.SEND_B:
+                grad, slot.input_grad = slot.input_grad, None
                 if self.plan.rank_of_stage(a.stage - 1) == here:
-                    step.grads[(a.microbatch, a.stage - 1)] = grad
+                    step.slot(a.microbatch, a.stage - 1).output_grad = grad
                     continue
-                sends_b.append((a.microbatch, a.stage, grad))
-                send_b_at.append(index)
-            elif a.op == "recv_f":
+                sends.append((index, Message(a, grad)))
+            elif a.op is Op.RECV_F:
                 if self.plan.rank_of_stage(a.stage - 1) != here:
-                    recvs_f.append(key)
+                    messages.append(Message(a))
             else:
-                meta = step.out_meta.pop(key)
+                like, slot.output_like = slot.output_like, None
                 if self.plan.rank_of_stage(a.stage + 1) != here:
-                    recvs_b.append((a.microbatch, a.stage, *meta))
-        received, received_grads, works = self.link.exchange(sends_f, sends_b, recvs_f, recvs_b, key_of)
-        for key, (tensor, convention) in received.items():
-            step.inputs[key], step.conventions[key] = tensor, convention
-        step.grads.update(received_grads)
-        sent = [(out, True) for _, _, out, _ in sends_f] + [(grad, False) for _, _, grad in sends_b]
-        for index, (tensor, is_output), send_works in zip(send_f_at + send_b_at, sent, works):
+                    messages.append(Message(a, like=like))
+        messages += [m for _, m in sends]
+        self.link.exchange(messages, key_of)
+        for m in messages:
+            slot = step.slot(m.action.microbatch, m.action.stage)
+            if m.action.op is Op.RECV_F:
+                slot.input, slot.convention = m.tensor, m.convention
+            elif m.action.op is Op.RECV_B:
+                slot.output_grad = m.tensor
+        for index, m in sends:
+            tensor, is_output = m.tensor, m.action.op is Op.SEND_F
             nbytes = tensor.untyped_storage().nbytes()
             if is_output and tensor.requires_grad:
                 # keep only the graph; the send holds the storage until it is waited on
                 tensor.data = torch.empty(1, dtype=tensor.dtype, device=tensor.device)
-            step.sending[index] = (send_works, nbytes if is_output else 0)
+            step.sending[index] = PendingSend(m.works, nbytes if is_output else 0)
 
-    def _release(self, works, nbytes: int) -> None:
+    def _receives_ahead(self, actions: list[Action], step: StepState) -> list[Message]:
+        """The receives from another rank among ``actions`` (the next run of communication) that could be
+        posted now: hidden states, and the gradients of outputs already computed."""
+        here, messages = self.mesh.pp_rank, []
+        for a in actions:
+            if a.op is Op.RECV_F and self.plan.rank_of_stage(a.stage - 1) != here:
+                messages.append(Message(a))
+            elif a.op is Op.RECV_B and self.plan.rank_of_stage(a.stage + 1) != here:
+                like = step.slot(a.microbatch, a.stage).output_like
+                if like is not None:
+                    messages.append(Message(a, like=like))
+        return messages
+
+    def _release(self, pending: PendingSend) -> None:
         """Wait for a delivered send, so its buffer is freed."""
-        for work in works:
+        for work in pending.works:
             work.wait()
-        if self.meter and nbytes:
-            self.meter.add(-nbytes)
+        if self.meter and pending.nbytes:
+            self.meter.add(-pending.nbytes)
 
-    def _loss_shares(self, step: _Step) -> list[float]:
+    def _loss_shares(self, step: StepState) -> list[float]:
         """Each micro-batch's weight in the batch's loss: its share of the targets where the loss is learnt to
         be a cross-entropy mean over targets of the batch (``targets``), else of the samples. Asked on the
         last stage only, after its first forward of the step (which learns it if the setup could not)."""
@@ -595,7 +547,7 @@ class PipelineEngine:
             step.loss_shares = (learnt.shares(step.micro) if isinstance(learnt, TargetCount) else None) or step.shares
         return step.loss_shares
 
-    def _finish(self, step: _Step, sizes: list[int]) -> Any:
+    def _finish(self, step: StepState) -> Any:
         """Broadcast the last stage's loss (or outputs) and log records; replay the logs everywhere.
 
         Training returns the batch's loss, or ``{"loss": ..., **extras}`` where ``training_step``
@@ -604,7 +556,7 @@ class PipelineEngine:
         and the logged values learnt to be the loss, combine with the loss's shares; other logged means
         with the samples' shares.
         """
-        mesh, results, training = self.mesh, step.results, step.training
+        mesh, training = self.mesh, step.training
         payload: Any = None
         holder = self.plan.rank_of_stage(self.plan.num_stages - 1)  # the rank of the last stage
         if mesh.pp_rank == holder:
@@ -612,19 +564,10 @@ class PipelineEngine:
             as_loss = learnt.logged if isinstance(learnt, TargetCount) else frozenset()
             loss_shares = self._loss_shares(step)
             records = self.capture.records(lambda name, mb: (loss_shares if name in as_loss else step.shares)[mb])
-            extras = None
             if training:
-                # at least float32 (a bf16 loss is summed in float32), float64 under ``64-true``, in one copy to
-                # the host; a micro-batch without targets (its mean is NaN) takes no part, as on one device
-                losses = torch.stack([results[mb] for mb in range(len(loss_shares))])
-                losses = losses.to(torch.promote_types(losses.dtype, torch.float32)).cpu()
-                value = sum(w * losses[mb] for mb, w in enumerate(loss_shares) if w)
-                if len(step.extras) == len(results):
-                    extras = tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v,
-                                      merge_outputs([step.extras[mb] for mb in sorted(step.extras)], sizes))
+                payload = (step.batch_loss(loss_shares), records, step.merged_extras())
             else:
-                value = merge_outputs([results[mb] for mb in sorted(results)], sizes)
-            payload = (value, records, extras)
+                payload = (step.merged_results(), records, None)
         if mesh.pp_size > 1:
             payload = broadcast_object(payload, mesh.stage_rank(holder), mesh.pp_group, self.link.device,
                                        mesh.pp_rank == holder)

@@ -213,9 +213,13 @@ def _outputs_of(rec: _Recorder, name: str) -> list[torch.Tensor]:
     return [t for n, ts in rec.pre_outputs.items() if n == name or n.startswith(name + ".") for t in ts]
 
 
+def _cuda_devices(module: nn.Module) -> list[int]:
+    """The CUDA devices ``module``'s parameters are on: those whose random streams its forward draws from."""
+    return sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
+
+
 def _rng_states(module: nn.Module) -> list[torch.Tensor]:
-    devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
-    return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices)]
+    return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in _cuda_devices(module))]
 
 
 def _reused(rec: _Recorder) -> frozenset:
@@ -236,10 +240,9 @@ def traced_conditions(module: nn.Module) -> Iterator[None]:
     parameter requiring them; random number generators and buffers (batch-norm statistics) restored
     on exit."""
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
-    devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
     frozen = [p for p in module.parameters() if not p.requires_grad and p.is_floating_point()]
     try:
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        with torch.random.fork_rng(devices=_cuda_devices(module)), torch.enable_grad():
             for p in frozen:
                 p.requires_grad_(True)
             yield

@@ -7,7 +7,7 @@ the blocks (embeddings) belong to the first stage, those that run after them (fi
 the last stage. Where they run is learned from one forward (``order.trace_run_order``); without
 one, registration order stands in for it (registered before the block list: runs before it), and
 the stand-ins check that order at run time. With
-``V`` virtual stages per rank, which rank holds which stage is ``placement``'s choice ("loop":
+``V`` virtual stages per rank, which rank holds which stage is ``schedules.placement``'s choice ("loop":
 stage ``s`` on rank ``s % P``; "v" for the V-shaped schedules).
 """
 
@@ -23,8 +23,11 @@ from lightning_parallel.pipeline.errors import (
     PipelineIncompatibleModel,
 )
 from lightning_parallel.pipeline.order import RunOrder, outside_blocks
-from lightning_parallel.pipeline.placement import check as check_placement
-from lightning_parallel.pipeline.placement import rank_of_stage, stages_of_rank
+from lightning_parallel.pipeline.schedules.placement import check as check_placement
+from lightning_parallel.pipeline.schedules.placement import (
+    rank_of_stage,
+    stages_of_rank,
+)
 
 
 def find_blocks(module: nn.Module, path: str | None = None) -> tuple[str, nn.Module]:
@@ -112,7 +115,7 @@ class StagePlan:
     """Blocks of every (virtual) stage, and the modules before and after the blocks.
 
     ``traced``: whether ``pre``/``post`` come from a traced forward (else from registration order).
-    ``placement``: which rank holds which stage (``placement.PLACEMENTS``).
+    ``placement``: which rank holds which stage (``schedules.placement.PLACEMENTS``).
     """
 
     blocks_path: str

@@ -44,17 +44,9 @@ class StageRandomness:
             torch.cuda.set_rng_state(state[1], self.device)
 
     @contextmanager
-    def _kept(self) -> Iterator[None]:
-        outer = self._get()
-        try:
-            yield
-        finally:
-            self._set(outer)
-
-    @contextmanager
     def active(self) -> Iterator[None]:
-        """Draw from this stage's stream inside; the global stream is untouched."""
-        with self._kept():
+        """Draw from this stage's stream inside; the global stream is untouched (``fork_rng`` puts it back)."""
+        with torch.random.fork_rng(devices=[self.device] if self.cuda else []):
             self._set(self.state)
             try:
                 yield

@@ -15,7 +15,7 @@ the ``s b h`` activations twice per layer forward and twice backward (Shoeybi et
 token-sized reductions, for a vocabulary-parallel head and loss. Pipeline stages send one activation forward and its gradient back
 per micro-batch, across nodes where neighbouring stages sit on different nodes. The per-stage
 costs of the slowest stage (it sets the pace of the pipeline) go to the schedule simulator
-(``pipeline.simulator.simulate``), which adds the bubble. The data-parallel gradient all-reduce
+(``pipeline.schedules.simulate``), which adds the bubble. The data-parallel gradient all-reduce
 (with ZeRO-1 the same bytes as a reduce-scatter and an all-gather) follows the pipeline flush with
 no overlap credited, which is exact for a contended CPU and an upper bound on a GPU. The optimizer
 step updates the parameters a device holds (a ``1 / DP`` share under ZeRO-1) at the calibrated
@@ -35,7 +35,7 @@ from torch import nn
 
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.pipeline.partition import StagePlan
-from lightning_parallel.pipeline.simulator import simulate
+from lightning_parallel.pipeline.schedules import simulate
 from lightning_parallel.planner.estimate import TransformerDims, precision_bytes
 from lightning_parallel.planner.space import Candidate, Cluster, actions_of
 from lightning_parallel.tensor_parallel.resolve import is_conv1d

@@ -28,8 +28,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from lightning_parallel.pipeline.partition import StagePlan
-from lightning_parallel.pipeline.schedules import all_ranks
-from lightning_parallel.pipeline.simulator import simulate
+from lightning_parallel.pipeline.schedules import all_ranks, simulate
 
 # bytes per element: parameter, gradient, AdamW state (two tensors), activation
 _PRECISION_BYTES = {

@@ -26,9 +26,14 @@ from lightning_parallel.pipeline.errors import (
     PipelineIncompatibleModel,
 )
 from lightning_parallel.pipeline.partition import StagePlan, find_blocks
-from lightning_parallel.pipeline.placement import placement_of
-from lightning_parallel.pipeline.schedules import SCHEDULES, Action, all_ranks, validate
-from lightning_parallel.pipeline.simulator import simulate
+from lightning_parallel.pipeline.schedules import (
+    SCHEDULES,
+    Action,
+    all_ranks,
+    placement_of,
+    simulate,
+    validate,
+)
 from lightning_parallel.planner.estimate import (
     RankMemory,
     estimate_memory,

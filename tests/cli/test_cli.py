@@ -209,7 +209,8 @@ def test_timeline_writes_the_path_given_and_refuses_nothing_to_draw(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list(tmp_path.rglob("*.png")) == [out]
 
-    from lightning_parallel.pipeline.timeline import TimelineError, _load_rank, render
+    from benchmarks.timeline import _load_rank
+    from lightning_parallel.pipeline.timeline import TimelineError, render
 
     (tmp_path / "rank0.pt").write_bytes(b"")
     with pytest.raises(TimelineError, match="rank 0 left no intervals"):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_parallel.options import ParallelOptions
-from lightning_parallel.pipeline import PipelineEngine, p2p
+from lightning_parallel.pipeline import Op, PipelineEngine, p2p
 from tests.helpers.parity import assert_param_close
 from tests.helpers.processes import make_mesh, run_distributed
 from tests.pipeline.test_pp_training import (
@@ -98,9 +98,9 @@ def _order(rank, world):
     events = []
     exchange = engine.link.exchange
 
-    def recording(sends_f, sends_b, *args, **kwargs):
-        events.extend(f"send_b{mb}" for mb, _, _ in sends_b)
-        return exchange(sends_f, sends_b, *args, **kwargs)
+    def recording(messages, *args, **kwargs):
+        events.extend(f"send_b{m.action.microbatch}" for m in messages if m.action.op is Op.SEND_B)
+        return exchange(messages, *args, **kwargs)
 
     engine.link.exchange = recording
     weight = next(p for name, p in model.named_parameters() if ".h." in name)
@@ -114,10 +114,10 @@ def _order(rank, world):
 def test_last_stage_sends_its_last_input_gradient_before_computing_weight_gradients():
     (first, first_ops), (last, last_ops) = run_distributed(_order, 2)
     # the first stage has no input gradient: four backwards, nothing split
-    assert first == ["weight_grad"] * 4 and ("W", 3) not in first_ops
+    assert first == ["weight_grad"] * 4 and (Op.W, 3) not in first_ops
     # the last stage: micro-batches 0-2 as usual, then micro-batch 3's gradient leaves before its weight gradient
     assert last == ["weight_grad", "send_b0", "weight_grad", "send_b1", "weight_grad", "send_b2", "send_b3", "weight_grad"]
-    assert last_ops[-2:] == [("B", 3), ("W", 3)]
+    assert last_ops[-2:] == [(Op.B, 3), (Op.W, 3)]
 
 
 class RefusesInputGradients(torch.autograd.Function):

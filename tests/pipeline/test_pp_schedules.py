@@ -9,14 +9,15 @@ import pytest
 from lightning_parallel.pipeline.errors import PipelineConfigError
 from lightning_parallel.pipeline.schedules import (
     Action,
+    Op,
     all_ranks,
     build_schedule,
     defer_last_weight_pass,
     schedule_1f1b,
     send_completion_points,
+    simulate,
     validate,
 )
-from lightning_parallel.pipeline.simulator import simulate
 
 CASES = [(p, m) for p in (2, 3, 4, 8) for m in (1, 2, 4, 8, 16)]
 
@@ -62,26 +63,26 @@ def test_gpipe_keeps_all_m_micro_batches_in_flight(stages, micro_batches):
 
 def test_1f1b_warmup_is_megatrons_p_minus_rank_minus_1():
     acts = schedule_1f1b(4, 8, rank=1)
-    computes = [a for a in acts if a.op in ("F", "B")]
-    first_backward = next(i for i, a in enumerate(computes) if a.op == "B")
+    computes = [a for a in acts if a.op in (Op.F, Op.B)]
+    first_backward = next(i for i, a in enumerate(computes) if a.op is Op.B)
     assert first_backward == 4 - 1 - 1 + 1  # two warm-up forwards, then the first steady forward
 
 
 def test_validator_rejects_a_deadlocking_schedule():
     # stage 0 waits for a gradient before sending the activation that produces it
     good = all_ranks("gpipe", 2, 1)
-    bad = [[Action("F", 0, 0), Action("recv_b", 0, 0), Action("send_f", 0, 0), Action("B", 0, 0)], good[1]]
+    bad = [[Action(Op.F, 0, 0), Action(Op.RECV_B, 0, 0), Action(Op.SEND_F, 0, 0), Action(Op.B, 0, 0)], good[1]]
     with pytest.raises(PipelineConfigError, match="misplaced|deadlock"):
         validate(bad, 1)
-    bad_order = [[Action("F", 0, 0), Action("send_f", 0, 0), Action("recv_b", 0, 0), Action("B", 0, 0)],
-                 [Action("recv_f", 0, 1), Action("B", 0, 1), Action("F", 0, 1), Action("send_b", 0, 1)]]
+    bad_order = [[Action(Op.F, 0, 0), Action(Op.SEND_F, 0, 0), Action(Op.RECV_B, 0, 0), Action(Op.B, 0, 0)],
+                 [Action(Op.RECV_F, 0, 1), Action(Op.B, 0, 1), Action(Op.F, 0, 1), Action(Op.SEND_B, 0, 1)]]
     with pytest.raises(PipelineConfigError, match="precedes"):
         validate(bad_order, 1)
 
 
 def test_validator_rejects_a_missing_backward():
     acts = all_ranks("1f1b", 2, 2)
-    acts[1] = [a for a in acts[1] if not (a.op == "B" and a.microbatch == 1)]
+    acts[1] = [a for a in acts[1] if not (a.op is Op.B and a.microbatch == 1)]
     with pytest.raises(PipelineConfigError, match="B missing"):
         validate(acts, 2)
 
@@ -110,15 +111,15 @@ def test_sent_activation_is_known_delivered_by_the_time_its_gradient_arrives(nam
     points = send_completion_points(schedules)
     for rank, acts in enumerate(schedules):
         for i, a in enumerate(acts):
-            if a.op == "send_f":
-                gradient = acts.index(Action("recv_b", a.microbatch, a.stage))
+            if a.op is Op.SEND_F:
+                gradient = acts.index(Action(Op.RECV_B, a.microbatch, a.stage))
                 assert i < points[rank][i] <= gradient
 
 
 def test_a_send_nobody_answers_is_never_claimed_delivered():
     # the last gradient stage 1 sends to stage 0 is followed by no message back
     schedules = all_ranks("1f1b", 2, 4)
-    last_send = max(i for i, a in enumerate(schedules[1]) if a.op == "send_b")
+    last_send = max(i for i, a in enumerate(schedules[1]) if a.op is Op.SEND_B)
     assert last_send not in send_completion_points(schedules)[1]
 
 
@@ -135,8 +136,8 @@ def test_zero_bubble_schedules_are_complete_and_deadlock_free(name, virtual, sta
     validate(schedules, micro_batches)
     if name != "dualpipev":  # every backward has its weight pass (dualpipev splits only its ramps)
         for acts in schedules:
-            assert {(a.microbatch, a.stage) for a in acts if a.op == "W"} == {(a.microbatch, a.stage) for a in acts
-                                                                              if a.op == "B"}
+            assert {(a.microbatch, a.stage) for a in acts if a.op is Op.W} == {(a.microbatch, a.stage) for a in acts
+                                                                              if a.op is Op.B}
 
 
 @pytest.mark.parametrize("stages,micro_batches", [(2, 4), (4, 8), (4, 16), (8, 16)])
@@ -161,8 +162,8 @@ def test_zero_bubble_schedules_beat_1f1b_at_p4_m8():
 def test_dualpipev_splits_only_its_ramps_and_needs_2p_micro_batches():
     schedules = all_ranks("dualpipev", 4, 16, 2)
     for acts in schedules:
-        backwards = sum(a.op == "B" for a in acts)
-        assert 0 < sum(a.op == "W" for a in acts) < backwards  # the steady state's backwards are whole
+        backwards = sum(a.op is Op.B for a in acts)
+        assert 0 < sum(a.op is Op.W for a in acts) < backwards  # the steady state's backwards are whole
     with pytest.raises(PipelineConfigError, match="at least 2 x 4 pipeline stages = 8 micro-batches"):
         build_schedule("dualpipev", 4, 7, 0, virtual_stages=2)
 
@@ -181,7 +182,7 @@ def test_zbv_needs_two_chunks_per_rank():
 
 def test_validator_rejects_a_weight_pass_before_its_backward():
     acts = all_ranks("zb_h1", 2, 2)
-    w = next(a for a in acts[1] if a.op == "W")
+    w = next(a for a in acts[1] if a.op is Op.W)
     acts[1].remove(w)
     acts[1].insert(0, w)
     with pytest.raises(PipelineConfigError, match="weight pass of micro-batch 0 stage 1 precedes its backward"):
@@ -190,10 +191,10 @@ def test_validator_rejects_a_weight_pass_before_its_backward():
 
 def test_validator_rejects_a_repeated_or_foreign_weight_pass():
     acts = all_ranks("zb_h1", 2, 2)
-    twice = [acts[0], acts[1] + [Action("W", 0, 1)]]
+    twice = [acts[0], acts[1] + [Action(Op.W, 0, 1)]]
     with pytest.raises(PipelineConfigError, match="twice"):
         validate(twice, 2)
-    foreign = [acts[0] + [Action("W", 0, 1)], acts[1]]
+    foreign = [acts[0] + [Action(Op.W, 0, 1)], acts[1]]
     with pytest.raises(PipelineConfigError, match="lives on rank 1"):
         validate(foreign, 2)
 
@@ -206,15 +207,15 @@ def test_validator_rejects_a_stage_off_its_placement():
 
 def test_an_unsplit_backward_costs_b_plus_w_and_frees_its_micro_batch():
     split = defer_last_weight_pass(schedule_1f1b(1, 2, 0))
-    assert [a.op for a in split] == ["F", "B", "F", "B"]  # a single stage has no input gradient to send first
+    assert [a.op for a in split] == [Op.F, Op.B, Op.F, Op.B]  # a single stage has no input gradient to send first
     sim = simulate(all_ranks("1f1b", 1, 2), 1.0, 1.0, 0.5)
     assert sim.step_time == pytest.approx(2 * (1.0 + 1.5)) and sim.peak_in_flight == [1]
 
 
 def test_the_last_backward_of_a_rank_with_an_input_gradient_gets_a_trailing_weight_pass():
     schedules = [defer_last_weight_pass(acts) for acts in all_ranks("1f1b", 2, 4)]
-    assert schedules[0][-1].op == "B"  # stage 0 sends no input gradient
-    assert schedules[1][-3:] == [Action("B", 3, 1), Action("send_b", 3, 1), Action("W", 3, 1)]
+    assert schedules[0][-1].op is Op.B  # stage 0 sends no input gradient
+    assert schedules[1][-3:] == [Action(Op.B, 3, 1), Action(Op.SEND_B, 3, 1), Action(Op.W, 3, 1)]
     validate(schedules, 4)
     # the flush shrinks: stage 0 gets its last gradient a weight pass earlier
     assert simulate(schedules).step_time == simulate(all_ranks("1f1b", 2, 4)).step_time - 1
@@ -226,8 +227,8 @@ def test_zero_bubble_sends_are_known_delivered_by_their_gradient(name, virtual):
     points = send_completion_points(schedules)
     for rank, acts in enumerate(schedules):
         for i, a in enumerate(acts):
-            if a.op == "send_f" and a.stage + 1 < 8 and (virtual == 1 or a.stage != 3):  # stage 3 -> 4 stays on rank 3
-                gradient = acts.index(Action("recv_b", a.microbatch, a.stage))
+            if a.op is Op.SEND_F and a.stage + 1 < 8 and (virtual == 1 or a.stage != 3):  # stage 3 -> 4 stays on rank 3
+                gradient = acts.index(Action(Op.RECV_B, a.microbatch, a.stage))
                 assert i < points[rank][i] <= gradient
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from lightning_parallel import ParallelStrategy
 from lightning_parallel.models.gpt import GPT
 from lightning_parallel.options import ParallelOptions
-from lightning_parallel.pipeline import PipelineEngine
+from lightning_parallel.pipeline import Op, PipelineEngine
 from lightning_parallel.pipeline.memory import ActivationMeter
 from tests.helpers.parity import (
     TensorDataset,
@@ -224,9 +224,9 @@ def _sent_outputs_storage(rank, world):
     engine.partition()
     sent, exchange = [], engine.link.exchange
 
-    def recording_exchange(sends_f, *args, **kwargs):
-        sent.extend(out for _, _, out, _ in sends_f)
-        return exchange(sends_f, *args, **kwargs)
+    def recording_exchange(messages, *args, **kwargs):
+        sent.extend(m.tensor for m in messages if m.action.op is Op.SEND_F)
+        return exchange(messages, *args, **kwargs)
 
     engine.link.exchange = recording_exchange
     engine.training_step(batches(steps=1)[0], 0)

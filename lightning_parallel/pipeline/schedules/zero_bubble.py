@@ -20,40 +20,49 @@ each ``W`` can be moved into a gap where the rank would otherwise idle. With ``F
   all-to-all of expert parallelism on a GPU; here the pair runs one after the other) and whole
   backwards there, and split backwards only in the ramps, their weight passes taken in order
   from one queue. Needs at least ``2P`` micro-batches.
+
+``defer_last_weight_pass`` applies the same split to the one backward of any schedule that no
+other action waits behind: the last of a rank.
 """
 
 from __future__ import annotations
 
 from lightning_parallel.pipeline.errors import PipelineConfigError
-from lightning_parallel.pipeline.schedules import Action, _backward, _check, _forward
+from lightning_parallel.pipeline.schedules.actions import (
+    Action,
+    Op,
+    backward_actions,
+    check_sizes,
+    forward_actions,
+)
 
 
 def schedule_zb_h1(stages: int, micro_batches: int, rank: int) -> list[Action]:
     """ZB-H1: 1F1B's warm-up and steady state on ``B``; each ``W`` lags its ``B`` by ``rank`` micro-batches."""
-    _check(stages, micro_batches, rank)
+    check_sizes(stages, micro_batches, rank)
     warmup = min(stages - rank - 1, micro_batches)
     acts: list[Action] = []
     deferred: list[int] = []  # micro-batches whose B ran and whose W has not
 
     def backward(mb: int, lag: int) -> None:
         nonlocal acts
-        acts += _backward(mb, rank, stages)
+        acts += backward_actions(mb, rank, stages)
         deferred.append(mb)
         if len(deferred) > lag:
-            acts.append(Action("W", deferred.pop(0), rank))
+            acts.append(Action(Op.W, deferred.pop(0), rank))
 
     # warm-up: fill the pipeline, as 1F1B
     for mb in range(warmup):
-        acts += _forward(mb, rank, stages)
+        acts += forward_actions(mb, rank, stages)
     # steady state: one forward, one input-gradient pass, the weight pass of `rank` micro-batches ago
     for i in range(micro_batches - warmup):
-        acts += _forward(warmup + i, rank, stages)
+        acts += forward_actions(warmup + i, rank, stages)
         backward(i, rank)
     # cool-down: the remaining input gradients, each followed by a deferred weight pass that fills
     # the wait for the next gradient; then the weight passes still owed
     for mb in range(micro_batches - warmup, micro_batches):
         backward(mb, 0)
-    acts += [Action("W", mb, rank) for mb in deferred]
+    acts += [Action(Op.W, mb, rank) for mb in deferred]
     return acts
 
 
@@ -66,45 +75,45 @@ def schedule_zbv(stages: int, micro_batches: int, rank: int) -> list[Action]:
     cool-down sends the remaining input gradients first and fills the waits with weight passes.
     Fewer than ``2P - 1`` micro-batches: the order of ``2P - 1`` with the missing ones left out.
     """
-    _check(stages, micro_batches, rank, 2)
+    check_sizes(stages, micro_batches, rank, 2)
     total = 2 * stages
     down, up = rank, total - 1 - rank
     padded = max(micro_batches, 2 * stages - 1)
-    done = {(op, s): 0 for op in "FBW" for s in (down, up)}  # how many of each op each chunk has run
-    order: list[tuple[str, int]] = []
+    done = {(op, s): 0 for op in (Op.F, Op.B, Op.W) for s in (down, up)}  # how many of each op each chunk has run
+    order: list[tuple[Op, int]] = []
 
-    def run(op: str, stage: int) -> None:
+    def run(op: Op, stage: int) -> None:
         order.append((op, stage))
         done[(op, stage)] += 1
 
     for _ in range(2 * (stages - rank) - 1):  # warm-up, chunk 0 only
-        run("F", down)
+        run(Op.F, down)
     for _ in range(rank):  # chunk 1's first micro-batches arrive: alternate
-        run("F", up)
-        run("F", down)
+        run(Op.F, up)
+        run(Op.F, down)
     for _ in range(stages - rank):  # chunk 1 turns around at the V's bottom: its backward starts
-        for op in "FBW":
+        for op in (Op.F, Op.B, Op.W):
             run(op, up)
-    while done[("F", up)] < padded:  # steady state
-        if done[("F", down)] < padded:
-            run("F", down)
-        for op in "BW":
+    while done[(Op.F, up)] < padded:  # steady state
+        if done[(Op.F, down)] < padded:
+            run(Op.F, down)
+        for op in (Op.B, Op.W):
             run(op, down)
-        for op in "FBW":
+        for op in (Op.F, Op.B, Op.W):
             run(op, up)
     for _ in range(rank):  # cool-down: input gradients first
-        run("B", down)
-        run("B", up)
+        run(Op.B, down)
+        run(Op.B, up)
     for _ in range(stages - rank):
-        run("B", down)
-        run("W", down)
+        run(Op.B, down)
+        run(Op.W, down)
     for stage in (up, down):
-        while done[("W", stage)] < done[("B", stage)]:
-            run("W", stage)
+        while done[(Op.W, stage)] < done[(Op.B, stage)]:
+            run(Op.W, stage)
     return _with_messages(order, micro_batches, total)
 
 
-def _with_messages(order: list[tuple[str, int]], micro_batches: int, total: int) -> list[Action]:
+def _with_messages(order: list[tuple[Op, int]], micro_batches: int, total: int) -> list[Action]:
     """Compute ops ``(op, stage)`` in order, each on that stage's next micro-batch, with their receives
     and sends; micro-batches from ``micro_batches`` on are left out. A ``W`` names its micro-batch
     (``(op, stage, mb)``) where weight passes leave the order of their backwards."""
@@ -115,12 +124,12 @@ def _with_messages(order: list[tuple[str, int]], micro_batches: int, total: int)
         count[(op, stage)] = mb + 1
         if mb >= micro_batches:
             continue
-        if op == "F":
-            acts += _forward(mb, stage, total)
-        elif op == "B":
-            acts += _backward(mb, stage, total)
+        if op is Op.F:
+            acts += forward_actions(mb, stage, total)
+        elif op is Op.B:
+            acts += backward_actions(mb, stage, total)
         else:
-            acts.append(Action("W", mb, stage))
+            acts.append(Action(Op.W, mb, stage))
     return acts
 
 
@@ -133,7 +142,7 @@ def schedule_dualpipev(stages: int, micro_batches: int, rank: int) -> list[Actio
     drain chunk 0's forwards; then the backwards of both chunks, split from the middle of the rank's
     share on, with the queued weight passes filling the waits of the cool-down.
     """
-    _check(stages, micro_batches, rank, 2)
+    check_sizes(stages, micro_batches, rank, 2)
     if micro_batches < 2 * stages:
         raise PipelineConfigError(
             f"dualpipev needs at least 2 x {stages} pipeline stages = {2 * stages} micro-batches, got "
@@ -146,10 +155,10 @@ def schedule_dualpipev(stages: int, micro_batches: int, rank: int) -> list[Actio
     queue: list[tuple[int, int]] = []  # (stage, micro-batch) whose weight pass is still owed, oldest first
 
     def forward(stage: int) -> None:
-        order.append(("F", stage))
+        order.append((Op.F, stage))
 
     def backward(stage: int, split: bool) -> None:
-        order.append(("B", stage))
+        order.append((Op.B, stage))
         if split:
             queue.append((stage, backwards[stage]))
         backwards[stage] += 1
@@ -157,7 +166,7 @@ def schedule_dualpipev(stages: int, micro_batches: int, rank: int) -> list[Actio
     def weight_pass() -> None:
         if queue:
             stage, mb = queue.pop(0)
-            order.append(("W", stage, mb))
+            order.append((Op.W, stage, mb))
 
     for _ in range(2 * (stages - rank - 1)):  # 1: chunk 0 fills the V's first half
         forward(down)
@@ -189,3 +198,20 @@ def schedule_dualpipev(stages: int, micro_batches: int, rank: int) -> list[Actio
     while queue:  # 8: the weight passes still owed
         weight_pass()
     return _with_messages(order, micro_batches, total)
+
+
+def defer_last_weight_pass(actions: list[Action]) -> list[Action]:
+    """A schedule without weight passes, with its rank's last backward split: ``W`` at the very end.
+
+    Where the last backward has an input gradient to send (stage > 0), its ``B`` now computes only
+    that gradient, which leaves before the weight gradients are computed, so the earlier stages
+    start their own last backward that much sooner and the flush at the end of the step shrinks
+    by the weight-gradient work of every later stage (the backward split of Qi et al. 2023, arXiv
+    2401.10241, applied to the one backward no other action waits behind).
+    """
+    if any(a.op is Op.W for a in actions):
+        return actions
+    last = max((i for i, a in enumerate(actions) if a.op is Op.B), default=None)
+    if last is None or actions[last].stage == 0:
+        return actions
+    return actions + [Action(Op.W, actions[last].microbatch, actions[last].stage)]

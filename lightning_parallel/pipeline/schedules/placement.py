@@ -8,6 +8,8 @@ With ``P`` ranks and ``V`` stages per rank (``P * V`` stages in all):
   Qi et al. 2023, arXiv 2401.10241 §4; DualPipeV). The data goes down the ranks and back up, so the first and
   the last stage (embedding and head, often tied) share rank 0, and each rank does equal work
   per micro-batch in its two chunks.
+
+Which schedule runs on which placement is the schedule's entry in ``registry``.
 """
 
 from __future__ import annotations
@@ -15,20 +17,10 @@ from __future__ import annotations
 from lightning_parallel.pipeline.errors import PipelineConfigError
 
 PLACEMENTS = ("loop", "v")
-V_SHAPED = ("zbv", "dualpipev")  # the schedules that need the "v" placement
-
-
-def placement_of(schedule: str) -> str:
-    """The stage placement schedule ``schedule`` runs on."""
-    return "v" if schedule in V_SHAPED else "loop"
-
-
-def chunks_per_rank(schedule: str, virtual_stages: int) -> int:
-    """Stages per rank that ``schedule`` runs with ``virtual_stages`` asked: a V holds two, so 1 reads as 2."""
-    return 2 if schedule in V_SHAPED and virtual_stages == 1 else virtual_stages
 
 
 def check(placement: str, ranks: int, num_stages: int) -> None:
+    """Refuse a placement that does not exist or cannot hold ``num_stages`` stages on ``ranks`` ranks."""
     if placement not in PLACEMENTS:
         raise PipelineConfigError(f"unknown stage placement {placement!r}; choose one of {', '.join(PLACEMENTS)}")
     if num_stages % ranks:

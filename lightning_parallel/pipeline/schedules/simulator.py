@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Union
 
-from lightning_parallel.pipeline.schedules import Action, matching_receive, replay
+from lightning_parallel.pipeline.schedules.actions import Action, Op, matching_receive
+from lightning_parallel.pipeline.schedules.validation import replay
 
 
 @dataclass
@@ -27,7 +28,7 @@ class Interval:
     """One compute action on one rank, in simulated or measured time."""
 
     rank: int
-    op: str
+    op: Op  # F, B or W
     microbatch: int
     stage: int
     start: float
@@ -36,6 +37,9 @@ class Interval:
 
 @dataclass
 class Simulation:
+    """The ideal step: its length, the idle share of all ranks' time, the peak micro-batches in flight
+    per rank, and every compute action's interval."""
+
     step_time: float
     bubble_fraction: float
     peak_in_flight: list[int]
@@ -48,32 +52,32 @@ Cost = Union[float, Mapping[int, float]]
 def simulate(schedules: list[list[Action]], forward_cost: Cost = 1.0, backward_cost: Cost = 1.0,
              weight_cost: Cost = 1.0, message_cost: float = 0.0) -> Simulation:
     """Run the schedules (assumed valid) and measure the ideal step."""
-    costs = {"F": forward_cost, "B": backward_cost, "W": weight_cost}
+    costs = {Op.F: forward_cost, Op.B: backward_cost, Op.W: weight_cost}
     holder = {a.stage: rank for rank, acts in enumerate(schedules) for a in acts}
 
-    def cost_of(op: str, stage: int) -> float:
+    def cost_of(op: Op, stage: int) -> float:
         cost = costs[op]
         return cost[stage] if isinstance(cost, Mapping) else cost
 
-    split = {(a.microbatch, a.stage) for acts in schedules for a in acts if a.op == "W"}
-    ready_at: dict[tuple[str, int, int], float] = {}
+    split = {a.unit for acts in schedules for a in acts if a.op is Op.W}
+    ready_at: dict[Action, float] = {}  # receive -> when its message arrives
     clock = [0.0] * len(schedules)
     in_flight = [0] * len(schedules)
     peak = [0] * len(schedules)
     intervals: list[Interval] = []
 
     def visit(rank: int, _: int, a: Action) -> None:
-        if a.op in ("recv_f", "recv_b"):
-            clock[rank] = max(clock[rank], ready_at[(a.op, a.microbatch, a.stage)])
-        elif a.op in ("send_f", "send_b"):
-            key = matching_receive(a)
-            ready_at[key] = clock[rank] + (message_cost if holder[key[2]] != rank else 0.0)
+        if a.op.is_receive:
+            clock[rank] = max(clock[rank], ready_at[a])
+        elif a.op.is_send:
+            receive = matching_receive(a)
+            ready_at[receive] = clock[rank] + (message_cost if holder[receive.stage] != rank else 0.0)
         else:
-            whole = a.op == "B" and (a.microbatch, a.stage) not in split
-            cost = cost_of(a.op, a.stage) + (cost_of("W", a.stage) if whole else 0.0)
+            whole = a.op is Op.B and a.unit not in split
+            cost = cost_of(a.op, a.stage) + (cost_of(Op.W, a.stage) if whole else 0.0)
             intervals.append(Interval(rank, a.op, a.microbatch, a.stage, clock[rank], clock[rank] + cost))
             clock[rank] += cost
-            in_flight[rank] += 1 if a.op == "F" else -1 if a.op == "W" or whole else 0
+            in_flight[rank] += 1 if a.op is Op.F else -1 if a.op is Op.W or whole else 0
             peak[rank] = max(peak[rank], in_flight[rank])
 
     replay(schedules, visit)
