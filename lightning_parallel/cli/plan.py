@@ -127,12 +127,16 @@ def build_plan(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> LaunchPl
     mesh = check_layout(options, num_nodes, devices)
     if model is None:
         model = _meta_model(cfg)
-    assignments, stages = check_model(model, mesh, options)
+    # a network built in the module's setup hook exists only once the run starts: the strategy checks it then
+    built = any(True for _ in model.parameters())
+    assignments, stages = check_model(model, mesh, options) if built else ([], None)
     micro_batches = options.micro_batches or mesh.pp_size
     if shape is not None and shape[0] % micro_batches:
         _refuse_micro_batches(shape[0], micro_batches)
     memory = []
-    if stages is None:
+    if not built:
+        unknown = f"{type(model).__name__} builds its network when the run starts (its setup hook)"
+    elif stages is None:
         unknown = f"{type(model).__name__} has no list of repeated blocks for the estimate to count"
     elif shape is not None:
         batch, seq = shape
@@ -186,14 +190,14 @@ def _loader_shape(data_config: str) -> tuple[int, int]:
 def _meta_model(cfg: DictConfig) -> nn.Module:
     """The config's model on the meta device, as the strategy will see it: a ``from_pretrained`` inside
     reads no weights, and a network built in ``configure_model`` is built too."""
-    from lightning_parallel.strategy.materialize import (
-        builds_in_configure_model,
-        empty_parameters,
-    )
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    from lightning_parallel.strategy.materialize import empty_parameters
 
     with empty_parameters(draws=False):
         model = instantiate(cfg.model)
-        if builds_in_configure_model(model):
+        if isinstance(model, LightningModule) and is_overridden("configure_model", model, LightningModule):
             model.configure_model()
     return model
 

@@ -68,13 +68,16 @@ def broadcast_on_host(module: nn.Module) -> None:
         dist.destroy_process_group(group)
 
 
-def builds_in_configure_model(module: nn.Module) -> bool:
-    """Whether a LightningModule builds (part of) its network in ``configure_model``, which Lightning
-    calls after the strategy's ``setup_environment`` and before its ``setup``."""
+def builds_later(module: nn.Module) -> bool:
+    """Whether a LightningModule builds its network in a hook Lightning calls after the strategy's
+    ``setup_environment`` and before its ``setup``: ``configure_model``, or ``setup`` when the module
+    holds no parameter yet."""
     from lightning.pytorch import LightningModule
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    return isinstance(module, LightningModule) and is_overridden("configure_model", module, LightningModule)
+    if not isinstance(module, LightningModule):
+        return False
+    return is_overridden("configure_model", module, LightningModule) or not any(True for _ in module.parameters())
 
 
 def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:

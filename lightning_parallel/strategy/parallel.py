@@ -76,7 +76,7 @@ from lightning_parallel.strategy.materialize import (
     UnsplitModel,
     broadcast_on_host,
     broadcast_recorded_values,
-    builds_in_configure_model,
+    builds_later,
     empty_parameters,
     has_meta_parameters,
     materialize,
@@ -250,7 +250,7 @@ class ParallelStrategy(_LightningParallelStrategy):
             self._resolve_sizes(trainer)
             mesh = validate_launch(
                 self.options, self.num_nodes, self.num_processes,
-                model=module if self._checks_model(module) and not builds_in_configure_model(module) else None,
+                model=module if self._checks_model(module) and not builds_later(module) else None,
                 automatic_optimization=module is None or module.automatic_optimization,
                 loss_scaler=getattr(self.precision_plugin, "scaler", None) is not None,
             )
@@ -332,7 +332,7 @@ class ParallelStrategy(_LightningParallelStrategy):
             if self.pipeline is not None:
                 self.pipeline.link.device = self.root_device
         else:
-            if self._checks_model(module) and builds_in_configure_model(module):  # built just now: check it
+            if self._checks_model(module):  # as built now (configure_model, setup): checked again before the split
                 with self._refusals_in_arguments():
                     validate_launch(self.options, self.num_nodes, self.num_processes, model=module,
                                     automatic_optimization=module.automatic_optimization,

@@ -61,6 +61,10 @@ class FineTune(L.LightningModule):
         if self.where == "configure_model" and not hasattr(self, "model"):
             self.model = self._load()
 
+    def setup(self, stage: str):
+        if self.where == "setup" and not hasattr(self, "model"):
+            self.model = self._load()
+
     def training_step(self, batch, batch_idx):
         loss = self.model(input_ids=batch, labels=batch).loss
         self.log("train_loss", loss)
@@ -86,7 +90,7 @@ def _fit(tmp_path, module_args: dict, devices: int = 1, empty_init: bool = False
         torch.manual_seed(0)  # what a script does before building its module (LoRA's A is drawn)
         with trainer.init_module(empty_init=True) if empty_init else contextlib.nullcontext():
             module = FineTune(**module_args)
-        built_later = module_args.get("where") == "configure_model"
+        built_later = module_args.get("where") in ("configure_model", "setup")
         assert built_later or any(p.is_meta for p in module.parameters()) == empty_init
         return module
 
@@ -135,6 +139,14 @@ def test_model_built_in_configure_model_is_checked_split_and_trains_like_one_dev
     records = _fit(tmp_path, dict(folder=folder, where="configure_model"), DEVICES[layout], empty_init, replicas,
                    **LAYOUTS[layout])
     _assert_losses(records, one_device[1e-3, replicas])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_model_built_in_the_setup_hook_is_checked_split_and_trains_like_one_device(folder, one_device, tmp_path,
+                                                                                 layout):
+    records = _fit(tmp_path, dict(folder=folder, where="setup"), DEVICES[layout], **LAYOUTS[layout])
+    _assert_losses(records, one_device[1e-3, 1])
 
 
 @pytest.mark.timeout(240)
