@@ -129,6 +129,7 @@ class PipelineEngine:
         # per step name: where its loss's targets are in the batch, or why that is unknown (``targets``);
         # learnt from the setup trace, or from the first real forward on the last stage
         self.targets: dict[str, Union[TargetCount, str]] = {}
+        self.order: Optional[RunOrder] = None  # what the setup trace learnt (None without one)
 
     # ---- setup -----------------------------------------------------------------------------
     def partition(self, example: Any = None, step: str = "training_step") -> None:
@@ -159,7 +160,7 @@ class PipelineEngine:
                 )
             micro = split_batch(example, self.micro_batches)[0][0]
             step_fn = getattr(self.module, step)
-            order = self._trace(micro, step_fn, on_meta, example)
+            order = self.order = self._trace(micro, step_fn, on_meta, example)
             if order is not None:
                 self.plan = plan_stages(self.module, mesh.pp_size, self.virtual_stages, self.plan.blocks_path,
                                         self.layout, order, self.placement)
@@ -175,6 +176,23 @@ class PipelineEngine:
         if order is not None:
             with meta_device(self.module, on_meta):
                 self._probe(order, meta_batch(micro) if on_meta else micro, step_fn, on_meta)
+
+    def run_stages(self, batch: Any, step: str) -> None:
+        """Run each of this rank's stages forward once on the first micro-batch of ``batch`` (a batch as
+        ``step`` receives it, like the one ``partition`` traced) in the modules' current modes, leaving
+        nothing behind: for setup checks that watch what a stage's modules receive
+        (``checks/verify_split.py``). A stage after the first starts from a random hidden state shaped as
+        the traced one, the same on every rank of the stage (such a check compares two runs on the same
+        input, whatever its values). Runs nothing where the setup trace did not run."""
+        if self.order is None:
+            return
+        micro = split_batch(batch, self.micro_batches)[0][0]
+        for stage in self.plan.stages_of_rank(self.mesh.pp_rank):
+            traced = self.order.inputs[self.plan.stage_blocks[stage].start] if stage > 0 else None
+            received = None if traced is None else torch.randn(
+                traced.shape, generator=torch.Generator().manual_seed(stage)).to(self.link.device, traced.dtype)
+            with untouched(self.module), traced_conditions(self.module), self.capture.suppressed():
+                self._forward(stage, micro, getattr(self.module, step), (0,), received, self.order.arity, False)
 
     def _trace(self, micro: Any, step_fn: Callable, on_meta: bool, example: Any) -> Optional[RunOrder]:
         """``order.trace_run_order`` on ``micro``, on the meta device for a meta-device model; None where
