@@ -86,7 +86,7 @@ def _settings(module: nn.Module) -> tuple:
     found = []
     for sub_name, sub in module.named_modules():
         for key, value in sorted(vars(sub).items()):
-            if key.startswith("_") or any(w in key.lower() for w in _POSITION_WORDS):
+            if key.startswith("_") or key == "training" or any(w in key.lower() for w in _POSITION_WORDS):
                 continue
             if isinstance(value, (bool, int, float, str)) or value is None:
                 found.append((sub_name, key, value))

@@ -24,6 +24,7 @@ from lightning_parallel.checks.float64 import KeepFloat64, grouped_mm
 from lightning_parallel.checks.split_compare import RTOL, compare
 from lightning_parallel.checks.split_units import choose_units
 from lightning_parallel.errors import LaunchError
+from lightning_parallel.models.gpt import GPT
 from lightning_parallel.strategy import ParallelStrategy
 from lightning_parallel.tensor_parallel.plan import parse_plan
 from lightning_parallel.tensor_parallel.resolve import resolve_plan
@@ -249,6 +250,21 @@ def test_correct_split_is_accepted_one_block_kind_and_training_is_unchanged(tmp_
     assert 0 < report["closest"] < RTOL
     assert run(tmp_path / "off", on_meta=on_meta, steps=3, verify_split=False) == []
     assert first_losses(tmp_path / "on") == first_losses(tmp_path / "off")
+
+
+@pytest.mark.timeout(120)
+def test_under_sequence_parallelism_units_are_compared_on_the_whole_sequence(tmp_path):
+    """The default GPT with sequence parallelism: each rank holds part of the sequence between the split
+    layers, the whole copies run all of it, and the split is accepted within rounding."""
+    L.seed_everything(0)
+    strategy = ParallelStrategy(tensor_parallel=2, sequence_parallel=True, start_method="fork",
+                                timeout=timedelta(seconds=30))
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[Outcome(tmp_path)], use_distributed_sampler=False)
+    trainer.fit(GPT(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=D), data())
+    report = torch.load(tmp_path / "report0.pt")
+    assert report["units"] == ["transformer.wte", "transformer.h.0", "lm_head"] and 0 < report["closest"] < RTOL
 
 
 def test_one_unit_per_kind_whatever_the_depth():
