@@ -219,6 +219,18 @@ def _parallel_fit(module, mode: str, work: str, vocab: int, draws: Optional[Keye
         return None, f"{'crash' if started else 'refused'}: {error_line(str(err) or repr(err))}"
 
 
+def in_float64(module: L.LightningModule) -> L.LightningModule:
+    """A float64 copy of ``module``; Hugging Face mixture-of-experts layers compute with their plain loop
+    (``experts_implementation="eager"``, the same products), as the grouped matrix product has no float64
+    kernel."""
+    module = copy.deepcopy(module).double()
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if getattr(config, "_experts_implementation", None) is not None:
+            config._experts_implementation = "eager"
+    return module
+
+
 def run_mode(module: L.LightningModule, reference: dict, mode: str, work: str, vocab: int,
              draws: Optional[KeyedDraws] = None, reference64: Any = None) -> dict:
     """One parallel run of ``module`` against ``reference``: the outcome and its details. A wrong
@@ -233,7 +245,7 @@ def run_mode(module: L.LightningModule, reference: dict, mode: str, work: str, v
         return {"outcome": f"random: {unmatched}", **detail}
     if outcome == "parity" or reference64 is None:
         return {"outcome": outcome, **detail}
-    records64, failure = _parallel_fit(copy.deepcopy(module).double(), mode, work, vocab, draws)
+    records64, failure = _parallel_fit(in_float64(module), mode, work, vocab, draws)
     if records64 is None:
         return {"outcome": f"{outcome}; float64 {failure}", **detail}
     outcome64, detail64 = compare(reference64(), records64)
@@ -297,7 +309,7 @@ def architecture_worker(arch: str, shape: str, modes: list[str], conn, log_dir: 
         def reference64() -> dict:  # the float64 reference, made once, when a run needs it
             if "record" not in cache:
                 out = tempfile.mkdtemp(dir=work, prefix="ref64")
-                cache["record"] = fit(copy.deepcopy(module).double(), out, vocab, draws=draws)[0]
+                cache["record"] = fit(in_float64(module), out, vocab, draws=draws)[0]
             return cache["record"]
 
         for mode in modes:

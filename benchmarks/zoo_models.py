@@ -73,6 +73,8 @@ def tiny_fields(shape: Shape) -> dict:
     return {
         "vocab_size": shape.vocab,
         "hidden_size": h, "n_embd": h, "d_model": h, "embed_dim": h,
+        # embeddings of their own width (OPT's projection, RoFormer, ELECTRA, RemBERT), else they dominate
+        "word_embed_proj_dim": h, "embedding_size": h, "input_embedding_size": h, "output_embedding_size": h,
         "intermediate_size": f, "ffn_dim": f, "n_inner": f, "d_ff": f,
         "num_hidden_layers": layers, "n_layer": layers, "num_layers": layers, "n_layers": layers,
         "encoder_layers": layers, "decoder_layers": layers, "encoder_ffn_dim": f, "decoder_ffn_dim": f,

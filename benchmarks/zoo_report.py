@@ -12,6 +12,7 @@ import torch
 from zoo_models import SHAPES
 
 KINDS = ("parity", "refused", "crash", "wrong", "random", "hang")
+CELL = 200  # characters of an outcome shown in a table cell (the results file keeps 300)
 
 
 def now() -> str:
@@ -90,7 +91,7 @@ def outcome_cell(entry: dict, mode: str) -> str:
     """The outcome, with the share of the parameters the largest rank holds when it reached parity."""
     outcome, detail = entry.get(mode, "-"), entry.get(f"{mode}_detail", {})
     if kind(outcome) != "parity" or "share" not in detail:
-        return outcome
+        return outcome if len(outcome) <= CELL else outcome[: CELL - 3] + "..."
     return f"{outcome} ({100 * detail['share']:.0f}% on the largest rank)"
 
 
@@ -105,6 +106,7 @@ def _section(results: dict, modes) -> str:
     for arch, e in sorted(results["architectures"].items()):
         one = e.get("one_process", "-")
         one = f"trains ({e['params']:,} params{', draws' if e.get('drew') else ''})" if one == "trains" else one
+        one = one if len(one) <= CELL else one[: CELL - 3] + "..."
         rows.append(f"| {arch} | {cell(one)} | " + " | ".join(cell(outcome_cell(e, m)) for m in ran) + " |")
     header = "| architecture | one process | " + " | ".join(mode_name(m) for m in ran) + " |"
     return f"""## Shape `{shape.name}`: {shape.describe()}
@@ -146,7 +148,7 @@ included: `parity in float64` means float32 rounding drifted (as it does for DP=
     python benchmarks/zoo.py --shape gqa3        # every architecture at one shape, rewrites this page
     python benchmarks/zoo.py --shape mqa --random 20 --modes tp2,pp2   # a random draw of 20
     python benchmarks/zoo.py --only opt          # one architecture; tracebacks in /tmp/zoo/logs/base/opt.log
-    python -m pytest tests/test_zoo_sample.py    # the fixed sample, about a minute
+    python -m pytest tests/models/test_zoo_sample.py   # the fixed sample, about a minute
 
 Outcomes: `parity` (with the share of the model's parameters the largest rank holds: how much
 memory the split gives back); `refused: <reason>` (an error at set-up, before training: the strategy

@@ -86,7 +86,8 @@ class SplitChecker:
     # ---- values --------------------------------------------------------------------------------
     def _whole_values(self, split: nn.Module, unit: Unit) -> Optional[dict[str, torch.Tensor]]:
         """Full float64 CPU values of the whole copy's parameters, gathered from the split unit's
-        shards (a collective over TP), and its floating buffers; None if a parameter has no match."""
+        shards (a collective over TP), and its buffers (floating ones in float64) on the CPU; None if a
+        parameter has no match."""
         held = dict(split.named_parameters(remove_duplicate=False))
         values: dict[str, torch.Tensor] = {}
         for name, p in unit.whole.named_parameters(remove_duplicate=False):
