@@ -28,7 +28,7 @@ import psutil
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_parallel.strategy as strategy_module
+import lightning_parallel.strategy.parallel as strategy_module
 from lightning_parallel.models.gpt import GPT
 from lightning_parallel.strategy import ParallelStrategy
 

@@ -41,7 +41,7 @@ while it goes and resumed.
     python benchmarks/zoo.py --shape gqa3               # every architecture at one shape
     python benchmarks/zoo.py --shape mqa --random 20    # 20 architectures drawn at random
     python benchmarks/zoo.py --only llama,gpt2 --modes tp2
-    python benchmarks/zoo.py --sample                   # the fixed sample of tests/test_zoo_sample.py
+    python benchmarks/zoo.py --sample                   # the fixed sample of tests/models/test_zoo_sample.py
     python benchmarks/zoo.py --shape base --resume      # skip architectures already in the file
     python benchmarks/zoo.py --report                   # rewrite docs/zoo.md from the files, run nothing
 """
