@@ -14,7 +14,6 @@ from __future__ import annotations
 from types import MethodType
 from typing import Optional
 
-import torch
 from torch import nn
 
 from .attention import (
