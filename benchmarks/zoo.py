@@ -1,16 +1,25 @@
-"""The zoo: every causal-LM architecture of the installed transformers at TP=2 and at PP=2.
+"""The zoo: every causal-LM architecture of the installed transformers at TP=2, PP=2 and TP=4.
 
-For each architecture (``zoo_models``): build a tiny model, train it on one process through a plain
-Lightning ``Trainer`` (the reference), then train the same initial weights on the same batches with
-``TensorParallelStrategy(tensor_parallel=2)`` and with ``PipelineParallelStrategy(pipeline_parallel=2)``
-(2 fork-started gloo processes each) and compare, step for step, every rank's loss and the final
+For each architecture (``zoo_models``) at one shape (``zoo_models.SHAPES``): build a tiny model, train
+it on one process through a plain Lightning ``Trainer`` (the reference), then train the same initial
+weights on the same batches with ``TensorParallelStrategy(tensor_parallel=2)``,
+``PipelineParallelStrategy(pipeline_parallel=2)`` and ``TensorParallelStrategy(tensor_parallel=4)``
+(2 or 4 fork-started gloo processes each) and compare, step for step, every rank's loss and the final
 full parameters (TP shards gathered, PP stages united) with the reference. Outcomes:
 
 - ``parity``: losses within ``LOSS_TOL`` and parameters within ``PARAM_TOL``.
+- ``parity in float64``: the float32 run was off, and the same run in float64 (reference too) is
+  within the tolerances: float32 rounding drifted, as it does for DP=2 on such a model.
 - ``refused: <first line>``: an error raised before training started (during set-up).
 - ``crash: <first line>``: an error raised, or a process lost, once training had started.
-- ``wrong: <largest differences>``: the run finished but does not match.
+- ``wrong: <largest differences>``: the run finished but does not match, in float32 and in float64.
+- ``random: <why>``: the training forward draws random numbers (``zoo_random``) in a way the split
+  run cannot reproduce (draws on split activations or on micro-batches): not compared.
 - ``hang``: no result within ``--timeout`` seconds; the process group is killed.
+
+A model whose training forward draws random numbers is run with every draw seeded by where it is
+made (``zoo_random.KeyedDraws``), in the reference and the split runs alike, so draws on replicated
+activations are identical and the comparison stands.
 
 Tolerances (float32, CPU, 3 AdamW steps at lr 1e-3): sharding and micro-batching only reorder
 sums, and Adam's 1/sqrt(v) can amplify that rounding on near-zero gradients (see
@@ -19,17 +28,22 @@ sums, and Adam's 1/sqrt(v) can amplify that rounding on near-zero gradients (see
 weight whose gradient is not reduced, a shard on the wrong rank or a tied weight not summed is off
 by about the learning rate: the wrong runs of the same zoo run were off by 4.8e-3 to 5.2e-3 in
 parameters (and 1.5e-5 to 2.5e-5 in loss, as the culprit weights were small ones).
-``LOSS_TOL = 1e-5`` and ``PARAM_TOL = 1e-4`` sit between the two.
+``LOSS_TOL = 1e-5`` and ``PARAM_TOL = 1e-4`` sit between the two; in float64 the same tolerances
+leave rounding (~1e-15) far below and a wrong split (~1e-3) far above.
+
+Each run also records the parameters every rank holds: the share on the largest rank (of the whole
+model's) says how much memory the split gives back.
 
 Each architecture runs in its own forked process group (a crash, an OOM kill or a hang cannot take
-the harness with it); results go to a JSON file after each run, so a long run can be read while it
-goes and resumed.
+the harness with it); results go to a JSON file per shape after each run, so a long run can be read
+while it goes and resumed.
 
-    python benchmarks/zoo.py                       # everything, results in /tmp/zoo/results.json
-    python benchmarks/zoo.py --only llama,gpt2     # a few architectures
-    python benchmarks/zoo.py --sample              # the fixed sample of tests/test_zoo_sample.py
-    python benchmarks/zoo.py --resume              # skip architectures already in the file
-    python benchmarks/zoo.py --report              # rewrite docs/zoo.md from the file, run nothing
+    python benchmarks/zoo.py --shape gqa3               # every architecture at one shape
+    python benchmarks/zoo.py --shape mqa --random 20    # 20 architectures drawn at random
+    python benchmarks/zoo.py --only llama,gpt2 --modes tp2
+    python benchmarks/zoo.py --sample                   # the fixed sample of tests/models/test_zoo_sample.py
+    python benchmarks/zoo.py --shape base --resume      # skip architectures already in the file
+    python benchmarks/zoo.py --report                   # rewrite docs/zoo.md from the files, run nothing
 """
 
 from __future__ import annotations
@@ -43,6 +57,7 @@ import copy
 import glob
 import json
 import multiprocessing as mp
+import random
 import shutil
 import signal
 import sys
@@ -50,6 +65,7 @@ import tempfile
 import time
 import traceback
 import warnings
+from contextlib import nullcontext
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, Optional
@@ -62,12 +78,15 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from zoo_models import (  # noqa: E402
     MAX_PARAMS,
+    SHAPES,
     ZooLM,
     architectures,
     meta_parameter_count,
     tiny_config,
     token_batches,
 )
+from zoo_random import KeyedDraws  # noqa: E402
+from zoo_report import is_done, new_results, save, summary_line, totals, totals_text, write_report  # noqa: E402
 
 from lightning_parallel import PipelineParallelStrategy, TensorParallelStrategy  # noqa: E402
 from lightning_parallel.tensor_parallel import gather_full_tensor  # noqa: E402
@@ -75,7 +94,8 @@ from lightning_parallel.tensor_parallel import gather_full_tensor  # noqa: E402
 LOSS_TOL = 1e-5
 PARAM_TOL = 1e-4
 STEPS, BATCH = 3, 4
-MODES = ("tp2", "pp2")
+MODES = ("tp2", "pp2", "tp4")
+DEVICES = {"tp2": 2, "pp2": 2, "tp4": 4}
 TIMEOUT_S = 300.0  # falcon_h1 (Mamba layers, reference kernels) needs ~85 s at TP=2 on 2 busy cores
 # a spread of styles: fused and split QKV, grouped KV heads, MoE, Conv1D, tied heads, learned
 # positions, parallel blocks, and architectures without a base_model_tp_plan
@@ -85,13 +105,25 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # ---- one fit, recorded on every rank ---------------------------------------------------------------
 class Record(Callback):
-    """Per rank: a marker once training starts, each step's loss, then the full parameters."""
+    """Per rank: a marker once training starts, the parameters it holds, each step's loss, whether the
+    training forward drew random numbers, then the full parameters."""
 
-    def __init__(self, out_dir: str):
-        self.out_dir, self.losses = out_dir, []
+    def __init__(self, out_dir: str, draws: Optional[KeyedDraws] = None):
+        self.out_dir, self.draws = out_dir, draws
+        self.losses, self.drew, self.held = [], False, 0
+        self._rng: Optional[torch.Tensor] = None
 
     def on_train_start(self, trainer, pl_module):
         Path(self.out_dir, f"started{trainer.global_rank}").touch()
+        self.held = sum(p.numel() for p in pl_module.parameters())
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.draws is not None:
+            self.draws.start_step(batch_idx, pl_module)
+        self._rng = torch.get_rng_state()
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self.drew |= not torch.equal(self._rng, torch.get_rng_state())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
@@ -104,21 +136,25 @@ class Record(Callback):
             shard = getattr(p, "tp_shard", None)
             params[name] = gather_full_tensor(p, shard, mesh) if shard is not None else p.detach().clone()
             sharded += shard is not None
-        torch.save({"losses": self.losses, "params": params, "sharded": sharded},
+        checked = getattr(trainer.strategy, "split_verification", None)
+        torch.save({"losses": self.losses, "params": params, "sharded": sharded, "held": self.held,
+                    "drew": self.drew, "draws": self.draws.summary() if self.draws is not None else None,
+                    "verified": vars(checked) if checked is not None else None},
                    Path(self.out_dir, f"rank{trainer.global_rank}.pt"))
 
 
-def fit(module: L.LightningModule, out_dir: str, strategy: Any = None) -> list[dict]:
+def fit(module: L.LightningModule, out_dir: str, vocab: int, strategy: Any = None, devices: int = 1,
+        draws: Optional[KeyedDraws] = None) -> list[dict]:
     """Train ``module`` (unchanged) for ``STEPS`` steps; return each rank's record."""
-    devices = 2 if strategy is not None else 1
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy or "auto", max_steps=STEPS,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Record(out_dir)],
+        num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Record(out_dir, draws)],
         # dp = 1 in every run here: each rank reads every batch, in order
         use_distributed_sampler=False,
     )
-    trainer.fit(module, DataLoader(token_batches(STEPS, BATCH), batch_size=BATCH))
+    with draws if draws is not None else nullcontext():
+        trainer.fit(module, DataLoader(token_batches(STEPS, BATCH, vocab), batch_size=BATCH))
     return [torch.load(Path(out_dir, f"rank{r}.pt")) for r in range(devices)]
 
 
@@ -153,56 +189,93 @@ def compare(reference: dict, records: list[dict]) -> tuple[str, dict]:
         diff = float((got - expected).abs().max().nan_to_num(float("inf"))) if got.shape == expected.shape else float("inf")
         if diff > param_diff:
             param_diff, worst = diff, name
+    whole = sum(p.numel() for p in reference["params"].values())
     detail = {"loss": loss_diff, "param": param_diff, "worst_param": worst,
-              "sharded": max(r["sharded"] for r in records),
-              "per_rank": [len(r["params"]) for r in records]}
+              "sharded": max(r.get("sharded", 0) for r in records),
+              "per_rank": [len(r["params"]) for r in records],
+              "share": max(r.get("held", whole) for r in records) / whole,
+              "verified": records[0].get("verified")}
     if loss_diff <= LOSS_TOL and param_diff <= PARAM_TOL:
         return "parity", detail
     return f"wrong: loss {loss_diff:.1e}, param {param_diff:.1e} ({worst})", detail
 
 
 def strategy_for(mode: str):
-    if mode == "tp2":
-        return TensorParallelStrategy(tensor_parallel=2, start_method="fork")
+    if mode in ("tp2", "tp4"):
+        return TensorParallelStrategy(tensor_parallel=DEVICES[mode], start_method="fork")
     if mode == "pp2":
         return PipelineParallelStrategy(pipeline_parallel=2, start_method="fork")
     raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 
 
-def run_mode(module: L.LightningModule, reference: dict, mode: str, work: str) -> dict:
-    """One parallel run of ``module`` against ``reference``: the outcome and its details."""
+def _parallel_fit(module, mode: str, work: str, vocab: int, draws: Optional[KeyedDraws]) -> tuple[Optional[list], str]:
+    """Each rank's record, or None and the outcome of a run that failed."""
     out_dir = tempfile.mkdtemp(dir=work, prefix=mode)
     try:
-        records = fit(module, out_dir, strategy_for(mode))
+        return fit(module, out_dir, vocab, strategy_for(mode), DEVICES[mode], draws), ""
     except BaseException as err:  # noqa: BLE001 - any failure is an outcome
         print(f"---- {mode} failed:\n{err}", file=sys.stderr, flush=True)
         started = bool(glob.glob(os.path.join(out_dir, "started*")))
-        return {"outcome": f"{'crash' if started else 'refused'}: {error_line(str(err) or repr(err))}"}
+        return None, f"{'crash' if started else 'refused'}: {error_line(str(err) or repr(err))}"
+
+
+def in_float64(module: L.LightningModule) -> L.LightningModule:
+    """A float64 copy of ``module``; Hugging Face mixture-of-experts layers compute with their plain loop
+    (``experts_implementation="eager"``, the same products), as the grouped matrix product has no float64
+    kernel."""
+    module = copy.deepcopy(module).double()
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if getattr(config, "_experts_implementation", None) is not None:
+            config._experts_implementation = "eager"
+    return module
+
+
+def run_mode(module: L.LightningModule, reference: dict, mode: str, work: str, vocab: int,
+             draws: Optional[KeyedDraws] = None, reference64: Any = None) -> dict:
+    """One parallel run of ``module`` against ``reference``: the outcome and its details. A wrong
+    float32 run is repeated in float64 (``reference64()`` gives the float64 reference), where
+    rounding no longer hides or fakes a difference."""
+    records, failure = _parallel_fit(copy.deepcopy(module), mode, work, vocab, draws)
+    if records is None:
+        return {"outcome": failure}
     outcome, detail = compare(reference, records)
-    return {"outcome": outcome, **detail}
+    unmatched = draws.unmatched(records) if draws is not None else None
+    if unmatched:
+        return {"outcome": f"random: {unmatched}", **detail}
+    if outcome == "parity" or reference64 is None:
+        return {"outcome": outcome, **detail}
+    records64, failure = _parallel_fit(in_float64(module), mode, work, vocab, draws)
+    if records64 is None:
+        return {"outcome": f"{outcome}; float64 {failure}", **detail}
+    outcome64, detail64 = compare(reference64(), records64)
+    float32 = f"float32: loss {detail['loss']:.1e}, param {detail['param']:.1e}"
+    if outcome64 == "parity":
+        return {"outcome": f"parity in float64 ({float32})", **detail64, "float32": detail}
+    return {"outcome": f"{outcome64} in float64 ({float32})", **detail64, "float32": detail}
 
 
 # ---- one architecture, in its own process group ----------------------------------------------------
-def reference_run(arch: str, work: str) -> tuple[Optional[L.LightningModule], Optional[dict], dict]:
+def reference_run(arch: str, shape: str, work: str) -> tuple[Optional[L.LightningModule], Optional[dict], dict]:
     """Build the tiny model and train it on one process: (module, record, result fields)."""
     try:
-        config = tiny_config(arch)
+        config = tiny_config(arch, SHAPES[shape])
         n_params = meta_parameter_count(config)
         if n_params > MAX_PARAMS:
             return None, None, {"one_process": f"skipped: {n_params:,} parameters (the config ignored the tiny sizes)"}
         L.seed_everything(0, verbose=False)
         module = ZooLM(config)
-        record = fit(copy.deepcopy(module), tempfile.mkdtemp(dir=work, prefix="ref"))[0]
+        record = fit(copy.deepcopy(module), tempfile.mkdtemp(dir=work, prefix="ref"), SHAPES[shape].vocab)[0]
     except BaseException as err:  # noqa: BLE001 - an architecture the generic config cannot train
         traceback.print_exc()
         return None, None, {"one_process": f"fails: {error_line(traceback.format_exc() or str(err))}"}
     if not all(torch.isfinite(torch.tensor(record["losses"]))):
         return None, None, {"one_process": f"fails: non-finite loss {record['losses']}"}
-    return module, record, {"one_process": "trains", "params": n_params,
+    return module, record, {"one_process": "trains", "params": n_params, "drew": record["drew"],
                             "losses": [round(x, 6) for x in record["losses"]]}
 
 
-def architecture_worker(arch: str, modes: list[str], conn, log_dir: Path) -> None:
+def architecture_worker(arch: str, shape: str, modes: list[str], conn, log_dir: Path) -> None:
     """Entry of the forked per-architecture process: sends ("fields", {...}), ("start", mode) and
     ("done", None) to the harness; its output goes to ``log_dir/<arch>.log``."""
     os.setsid()  # its own process group: the harness kills it with everything it started
@@ -218,16 +291,35 @@ def architecture_worker(arch: str, modes: list[str], conn, log_dir: Path) -> Non
     logging.getLogger("lightning").setLevel(logging.ERROR)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     work = tempfile.mkdtemp(prefix=f"zoo-{arch}-")
+    vocab = SHAPES[shape].vocab
     try:
         start = time.time()
-        module, reference, fields = reference_run(arch, work)
+        module, reference, fields = reference_run(arch, shape, work)
+        draws = None
+        if module is not None and reference["drew"]:  # again, with every draw seeded by where it is made
+            draws = KeyedDraws(module)
+            reference = fit(copy.deepcopy(module), tempfile.mkdtemp(dir=work, prefix="ref"), vocab, draws=draws)[0]
+            draws.freeze(reference)
+            fields["draws"] = reference["draws"]
         conn.send(("fields", {**fields, "seconds_one_process": round(time.time() - start, 1)}))
         if module is None:
             return
+        cache: dict = {}
+
+        def reference64() -> dict:  # the float64 reference, made once, when a run needs it
+            if "record" not in cache:
+                out = tempfile.mkdtemp(dir=work, prefix="ref64")
+                cache["record"] = fit(in_float64(module), out, vocab, draws=draws)[0]
+            return cache["record"]
+
         for mode in modes:
             conn.send(("start", mode))
             start = time.time()
-            result = run_mode(copy.deepcopy(module), reference, mode, work)
+            try:
+                result = run_mode(module, reference, mode, work, vocab, draws, reference64)
+            except Exception:  # noqa: BLE001 - a bug of the harness is an outcome too, never a silent gap
+                traceback.print_exc()
+                result = {"outcome": f"crash: in the zoo harness: {error_line(traceback.format_exc())}"}
             conn.send(("fields", {mode: result["outcome"], f"{mode}_detail": result,
                                   f"seconds_{mode}": round(time.time() - start, 1)}))
     finally:
@@ -239,10 +331,10 @@ def architecture_worker(arch: str, modes: list[str], conn, log_dir: Path) -> Non
 class Running:
     """The harness's view of one architecture's process: which run it is in, since when."""
 
-    def __init__(self, arch: str, modes: list[str], ctx, log_dir: Path):
+    def __init__(self, arch: str, shape: str, modes: list[str], ctx, log_dir: Path):
         self.arch, self.modes = arch, list(modes)
         self.conn, child = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=architecture_worker, args=(arch, self.modes, child, log_dir))
+        self.proc = ctx.Process(target=architecture_worker, args=(arch, shape, self.modes, child, log_dir))
         self.proc.start()
         child.close()
         self.current: Optional[str] = "one_process"
@@ -266,33 +358,38 @@ class Running:
         self.proc.join(5)
 
 
-def run_zoo(archs: list[str], out: Path, jobs: int = 1, timeout: float = TIMEOUT_S,
-            results: Optional[dict] = None, log=print) -> dict:
-    """Run ``archs`` (``jobs`` at a time) and write ``out`` after every result; return the results.
-
-    Each architecture's output (warnings, tracebacks) goes to ``logs/<arch>.log`` beside ``out``.
-    After a hang or a lost process the architecture's remaining runs start in a fresh process."""
+def run_zoo(archs: list[str], out: Path, shape: str = "base", modes: tuple[str, ...] = MODES, jobs: int = 1,
+            timeout: float = TIMEOUT_S, results: Optional[dict] = None, log=print) -> dict:
+    """Run ``archs`` at ``shape`` (``jobs`` at a time) and write ``out`` after every result; return
+    the results. Each architecture's output (warnings, tracebacks) goes to ``logs/<shape>/<arch>.log``
+    beside ``out``. After a hang or a lost process the architecture's remaining runs start in a fresh
+    process."""
     ctx = mp.get_context("fork")
-    results = results if results is not None else new_results()
+    results = results if results is not None else new_results(shape, settings())
     results["meta"]["timeout_s"] = timeout
-    queue = [(a, list(MODES)) for a in archs]
+    queue = [(a, list(modes)) for a in archs]
     running: list[Running] = []
     try:
-        _drive(queue, running, results, out, jobs, timeout, ctx, log)
+        _drive(queue, running, results, out, shape, jobs, timeout, ctx, log)
     finally:  # interrupted: the architectures' process groups do not outlive the harness
         for run in running:
             run.kill()
-    results["meta"]["finished"] = now()
+    results["meta"]["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     save(results, out)
     return results
 
 
-def _drive(queue: list, running: list, results: dict, out: Path, jobs: int, timeout: float, ctx, log) -> None:
+def settings() -> dict:
+    return {"steps": STEPS, "batch": BATCH, "loss_tol": LOSS_TOL, "param_tol": PARAM_TOL, "timeout_s": TIMEOUT_S}
+
+
+def _drive(queue: list, running: list, results: dict, out: Path, shape: str, jobs: int, timeout: float, ctx,
+           log) -> None:
     """The harness loop: start architectures, read their messages, kill the ones past ``timeout``."""
     while queue or running:
         while queue and len(running) < jobs:
             arch, modes = queue.pop(0)
-            running.append(Running(arch, modes, ctx, out.parent / "logs"))
+            running.append(Running(arch, shape, modes, ctx, out.parent / "logs" / shape))
         wait([r.conn for r in running], timeout=1.0)
         for run in list(running):
             entry = results["architectures"].setdefault(run.arch, {})
@@ -325,162 +422,50 @@ def _drive(queue: list, running: list, results: dict, out: Path, jobs: int, time
                     queue.insert(0, (run.arch, run.modes))
             if finished or failure is not None:
                 running.remove(run)
-                log(f"{run.arch:28s} {summary_line(entry)}")
-
-
-# ---- results file and report -----------------------------------------------------------------------
-def now() -> str:
-    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-
-
-def new_results() -> dict:
-    import transformers
-
-    meta = {"started": now(), "transformers": transformers.__version__, "torch": torch.__version__,
-            "lightning": L.__version__, "steps": STEPS, "batch": BATCH, "loss_tol": LOSS_TOL,
-            "param_tol": PARAM_TOL, "timeout_s": TIMEOUT_S}
-    return {"meta": meta, "architectures": {}}
-
-
-def save(results: dict, out: Path) -> None:
-    results["meta"]["updated"] = now()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(results, indent=1, sort_keys=True))
-    tmp.replace(out)  # readers never see half a file
-
-
-def is_done(entry: dict) -> bool:
-    return entry.get("one_process", "").startswith(("fails", "skipped")) or all(m in entry for m in MODES)
-
-
-def summary_line(entry: dict) -> str:
-    return " | ".join(f"{k}: {entry.get(k, '-')}" for k in ("one_process", *MODES))
-
-
-def totals(results: dict) -> dict:
-    entries = results["architectures"].values()
-    trains = [e for e in entries if e.get("one_process") == "trains"]
-    out = {"architectures": len(results["architectures"]), "train_one_process": len(trains)}
-    for mode in MODES:
-        for kind in ("parity", "refused", "crash", "wrong", "hang"):
-            out[f"{mode}_{kind}"] = sum(e.get(mode, "").split(":")[0] == kind for e in trains)
-    out["both_parity"] = sum(e.get("tp2") == "parity" and e.get("pp2") == "parity" for e in trains)
-    return out
-
-
-def totals_text(t: dict) -> str:
-    n = t["train_one_process"] or 1
-
-    def pct(k: str) -> str:
-        return f"{t[k]} ({100 * t[k] / n:.0f}%)"
-
-    lines = [f"{t['architectures']} causal-LM architectures; {t['train_one_process']} train on one process "
-             "from the generic tiny config."]
-    for mode, name in (("tp2", "TP=2"), ("pp2", "PP=2")):
-        lines.append(f"{name}: parity {pct(mode + '_parity')}, refused {pct(mode + '_refused')}, "
-                     f"crash {pct(mode + '_crash')}, wrong {pct(mode + '_wrong')}, hang {pct(mode + '_hang')}")
-    lines.append(f"parity at both TP=2 and PP=2: {pct('both_parity')}")
-    return "\n".join(lines)
-
-
-def cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def sci(x: float) -> str:
-    return f"{x:.0e}".replace("e-0", "e-")
-
-
-def outcome_cell(entry: dict, mode: str) -> str:
-    """The outcome, with how the parallel run split the model when it reached parity."""
-    outcome, detail = entry.get(mode, "-"), entry.get(f"{mode}_detail", {})
-    if outcome != "parity":
-        return outcome
-    if mode == "tp2":
-        return f"parity ({detail['sharded']} tensors sharded)"
-    return f"parity ({' + '.join(map(str, detail['per_rank']))} tensors per stage)"
-
-
-def write_report(results: dict, path: Path) -> str:
-    """``docs/zoo.md``: how the zoo is run, the totals and one row per architecture."""
-    meta, t = results["meta"], totals(results)
-    rows = []
-    for arch, e in sorted(results["architectures"].items()):
-        one = e.get("one_process", "-")
-        one = f"trains ({e['params']:,} params)" if one == "trains" else one
-        rows.append(f"| {arch} | {cell(one)} | {cell(outcome_cell(e, 'tp2'))} | {cell(outcome_cell(e, 'pp2'))} |")
-    text = f"""# The zoo: Hugging Face causal LMs at TP=2 and PP=2
-
-Generated by `python benchmarks/zoo.py` (transformers {meta['transformers']}, torch {meta['torch']},
-lightning {meta['lightning']}; run started {meta['started']}, last result {meta['updated']}).
-
-Every architecture in `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` is built from one generic tiny config
-(2 blocks, hidden 64, 4 heads, 2 KV heads, vocab 128, dropout 0, untied head; no per-model tuning,
-no download) inside an unchanged LightningModule whose loss is the model's own (`labels=`), and
-trained {meta['steps']} AdamW steps (float32, batch {meta['batch']} x 16 tokens) on one process.
-Those that train are then run through `Trainer(strategy=TensorParallelStrategy(tensor_parallel=2))`
-and `Trainer(strategy=PipelineParallelStrategy(pipeline_parallel=2))` on 2 fork-started gloo
-processes, and every rank's loss and the final full parameters are compared step for step with the
-one-process run (loss within {sci(meta['loss_tol'])}, parameters within {sci(meta['param_tol'])}; the
-reasoning is in the docstring of `benchmarks/zoo.py`).
-
-    python benchmarks/zoo.py            # the whole zoo (~25 min on 2 busy cores), rewrites this page
-    python benchmarks/zoo.py --only opt # one architecture; tracebacks in /tmp/zoo/logs/opt.log
-    python -m pytest tests/test_zoo_sample.py   # the fixed sample of 8, about a minute
-
-Outcomes: `parity`; `refused: <reason>` (an error at set-up, before training: the strategy says
-what it does not support); `crash: <error>` (after training started); `wrong: <differences>`;
-`hang` (no result in {meta['timeout_s']:g} s). One-process failures (`fails`, `skipped`) come
-from the generic config, not from parallelism, and are left out of the percentages.
-
-## Totals
-
-```
-{totals_text(t)}
-```
-
-## Architectures
-
-| architecture | one process | TP=2 | PP=2 |
-|---|---|---|---|
-""" + "\n".join(rows) + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    return text
+                log(f"{run.arch:28s} {summary_line(entry, [m for m in MODES if m in entry])}")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("/tmp/zoo/results.json"))
+    parser.add_argument("--out", type=Path, default=Path("/tmp/zoo"), help="folder of the results (<shape>.json)")
     parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "zoo.md")
+    parser.add_argument("--shape", default="base", choices=sorted(SHAPES))
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--only", help="comma-separated model types")
     parser.add_argument("--sample", action="store_true", help=f"the fixed sample: {', '.join(SAMPLE)}")
-    parser.add_argument("--limit", type=int, help="the first N architectures only")
-    parser.add_argument("--resume", action="store_true", help="keep --out's results, skip finished architectures")
-    parser.add_argument("--jobs", type=int, default=1, help="architectures at a time (each uses 2 processes)")
+    parser.add_argument("--random", type=int, help="N architectures drawn at random (see --seed)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the --random draw")
+    parser.add_argument("--resume", action="store_true", help="keep the shape's results, skip finished architectures")
+    parser.add_argument("--jobs", type=int, default=1, help="architectures at a time (each uses 2-4 processes)")
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per run before it counts as a hang")
-    parser.add_argument("--report", action="store_true", help="only rewrite --doc from --out")
+    parser.add_argument("--report", action="store_true", help="only rewrite --doc from the results in --out")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so run_zoo's clean-up runs
-
-    results = json.loads(args.out.read_text()) if (args.resume or args.report) and args.out.exists() else new_results()
+    modes = tuple(args.modes.split(","))
+    if set(modes) - set(MODES):
+        parser.error(f"--modes: one of {', '.join(MODES)}")
+    out = args.out / f"{args.shape}.json"
     if not args.report:
+        results = json.loads(out.read_text()) if args.resume and out.exists() else new_results(args.shape, settings())
         known = architectures()
         archs = args.only.split(",") if args.only else list(SAMPLE) if args.sample else known
         unknown = sorted(set(archs) - set(known))
         if unknown:
             parser.error(f"not causal-LM model types here: {', '.join(unknown)}")
+        if args.random:
+            archs = sorted(random.Random(args.seed).sample(archs, min(args.random, len(archs))))
+            results["meta"]["drawn"] = {"count": len(archs), "seed": args.seed}
         if args.resume:
-            archs = [a for a in archs if not is_done(results["architectures"].get(a, {}))]
-        archs = archs[: args.limit] if args.limit else archs
-        print(f"{len(archs)} architectures, {args.jobs} at a time, results in {args.out}", flush=True)
-        results = run_zoo(archs, args.out, args.jobs, args.timeout, results,
+            archs = [a for a in archs if not is_done(results["architectures"].get(a, {}), modes)]
+        print(f"{len(archs)} architectures at shape {args.shape}, {args.jobs} at a time, results in {out}", flush=True)
+        results = run_zoo(archs, out, args.shape, modes, args.jobs, args.timeout, results,
                           log=lambda s: print(s, flush=True))
-    if not (args.only or args.sample or args.limit):
-        write_report(results, args.doc)
+        print(totals_text(totals(results, MODES), MODES))
+    if args.report or not (args.only or args.sample):
+        every = {shape: json.loads((args.out / f"{shape}.json").read_text())
+                 for shape in SHAPES if (args.out / f"{shape}.json").exists()}
+        write_report(every, args.doc, MODES)
         print(f"wrote {args.doc}")
-    print(totals_text(totals(results)))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import (  # noqa: F4
 )
 from torch import nn
 from torch.distributed.utils import _sync_module_states as _sync_module_states_over  # noqa: F401 - re-exported
+from torch.distributed.utils import _sync_params_and_buffers  # noqa: F401 - re-exported
 from torch.utils._pytree import tree_flatten, tree_map  # noqa: F401 - re-exported
 
 #: Lightning hooks and attributes the plugin overrides or reads on classes it subclasses;

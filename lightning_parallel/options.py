@@ -81,6 +81,16 @@ class ParallelOptions:
     """``1`` shards optimizer state over the data-parallel replicas (ZeRO-1); ``0`` keeps a whole
     optimizer on every replica; ``"auto"``: the planner chooses."""
 
+    broadcast_buffers: bool = True
+    """As DDP's: before a forward that follows one that synchronised gradients, the data-parallel
+    replicas receive the first replica's buffers (BatchNorm's running statistics), so all of them
+    validate with the same (``data_parallel/buffers.py``); ``False`` leaves each replica its own."""
+
+    verify_split: bool = True
+    """With tensor parallelism, check at setup that the split computes what the whole model computes:
+    one block of each kind, the embedding and the head run whole and split in float64 on one
+    micro-batch, outputs and gradients compared (``checks/verify_split.py``); ``False`` skips it."""
+
     searched: tuple[str, ...] = field(default=(), init=False, compare=False)
     """The options given as ``"auto"`` that the planner has not resolved yet (derived; not an argument)."""
 

@@ -37,7 +37,7 @@ def check_model(model: nn.Module, mesh: ParallelMesh,
     assignments: list[Assignment] = []
     if mesh.tp_size > 1:
         try:
-            assignments = _tp_assignments(model, mesh.tp_size, tp_plan, sequence_parallel)
+            assignments = tp_assignments(model, mesh.tp_size, tp_plan, sequence_parallel)
         except TensorParallelError as err:
             fits = [
                 t for t in divisors(mesh.world_size)
@@ -49,6 +49,11 @@ def check_model(model: nn.Module, mesh: ParallelMesh,
             fix = (Fix({"strategy.tensor_parallel": 1}, "data parallelism only") if fits == [1] else
                    Fix({"strategy.tensor_parallel": max(fits), "strategy.data_parallel": "auto"}))
             raise LaunchError(f"{err}\nTP sizes this model and world allow: {fits}, e.g.", [fix]) from None
+        if tp_plan is None:  # a plan the user gave is used as given
+            # imported here: the share counts stages with the planner's estimate, and the planner checks models here
+            from lightning_parallel.checks.share import refuse_nothing_worth_splitting
+
+            refuse_nothing_worth_splitting(model, assignments, mesh.tp_size)
 
     def stages(blocks: str | None) -> StagePlan:
         return plan_stages(model, mesh.pp_size, virtual_stages, blocks, pipeline_layout,
@@ -87,14 +92,15 @@ def _splits(stages, blocks: str) -> bool:
     return True
 
 
-def _tp_assignments(model: nn.Module, tp: int, tp_plan: Mapping | None, sequence_parallel: bool) -> list[Assignment]:
+def tp_assignments(model: nn.Module, tp: int, tp_plan: Mapping | None, sequence_parallel: bool) -> list[Assignment]:
+    """The modules ``tp_plan`` (None: the detected plan) splits over ``tp`` ranks, each with its entry."""
     plan = parse_plan(tp_plan) if tp_plan is not None else detect_plan(model, sequence_parallel)
     return resolve_plan(model, plan, tp, sequence_parallel)
 
 
 def _tp_fits(model: nn.Module, tp: int, tp_plan: Mapping | None, sequence_parallel: bool) -> bool:
     try:
-        _tp_assignments(model, tp, tp_plan, sequence_parallel)
+        tp_assignments(model, tp, tp_plan, sequence_parallel)
     except TensorParallelError:
         return False
     return True

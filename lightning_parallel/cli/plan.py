@@ -47,6 +47,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from lightning_parallel.checks.share import Share, planned_share
 from lightning_parallel.checks.launch import check_allocation, check_layout
 from lightning_parallel.checks.model import check_model
 from lightning_parallel.cli.config_checks import check_config, parallel_options
@@ -98,6 +99,8 @@ class LaunchPlan:
     search: SearchResult | None = None
     # why the memory is not estimated (the batch shape unknown, no block list), or None
     memory_left_out: str | None = None
+    # the parameters on the most loaded rank (checks/share.py)
+    share: Share | None = None
 
 
 def build_plan(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> LaunchPlan:
@@ -161,6 +164,7 @@ def build_plan(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> LaunchPl
         tp_plan=dict(Counter(f"{a.glob}: {a.entry.style}" for a in assignments if a.entry.style)),
         search=searched,
         memory_left_out=None if memory else unknown,
+        share=planned_share(model, assignments, mesh.tp_size, stages if mesh.pp_size > 1 else None),
     )
 
 
@@ -273,6 +277,8 @@ def format_plan(plan: LaunchPlan) -> str:
         lines.insert(len(lines) - 1, batch)  # before the mesh
     if plan.tp_plan:
         lines.append("tp plan: " + ", ".join(f"{k} (x{n})" for k, n in plan.tp_plan.items()))
+    if plan.share is not None:
+        lines.append(f"holds: {plan.share.describe()}")
     if plan.stages is not None:
         s = plan.stages
         lines.append(f"stages: blocks of {s.blocks_path} (first also {', '.join(s.pre) or '-'}; last also {', '.join(s.post) or '-'})")

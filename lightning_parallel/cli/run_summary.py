@@ -38,6 +38,8 @@ def layout_lines(plan: Any) -> list[str]:
              f"{plan.devices_per_node} devices; {plan.model_name}, {plan.parameters / 1e6:,.2f}M parameters"]
     if plan.tp_plan:
         lines.append("tp plan      " + ", ".join(f"{k} (x{n})" for k, n in plan.tp_plan.items()))
+    if plan.share is not None and (mesh.tp_size > 1 or mesh.pp_size > 1):
+        lines.append(f"planned      {plan.share.describe()}")
     stages = plan.stages
     if stages is not None and mesh.pp_size > 1:
         split = "; ".join(f"stage {s}: {stages.blocks_path} {_blocks(b)}" for s, b in enumerate(stages.stage_blocks))
@@ -77,6 +79,12 @@ class RunSummary(Callback):
             lines.append(f"resumed from {trainer.ckpt_path}")
         if self.plan is not None:
             lines += layout_lines(self.plan)
+        share = getattr(trainer.strategy, "parameter_share", None)  # measured once split (checks/share.py)
+        if share is not None:
+            lines.append(f"holds        {share.describe()}")
+        verified = getattr(trainer.strategy, "split_verification", None)
+        if verified is not None:
+            lines.append(f"verified     {verified.describe()}")
         log.info("\n".join(lines))
 
     def on_fit_end(self, trainer, pl_module) -> None:

@@ -129,6 +129,9 @@ class PipelineEngine:
         # per step name: where its loss's targets are in the batch, or why that is unknown (``targets``);
         # learnt from the setup trace, or from the first real forward on the last stage
         self.targets: dict[str, Union[TargetCount, str]] = {}
+        # shape and dtype of each block's input in the setup trace, and how blocks return the hidden state
+        # (``RunOrder.arity``); None without a trace. Not the trace itself: its results hold the graph
+        self.traced_inputs: Optional[tuple[tuple[tuple[torch.Size, torch.dtype], ...], int]] = None
 
     # ---- setup -----------------------------------------------------------------------------
     def partition(self, example: Any = None, step: str = "training_step") -> None:
@@ -161,6 +164,7 @@ class PipelineEngine:
             step_fn = getattr(self.module, step)
             order = self._trace(micro, step_fn, on_meta, example)
             if order is not None:
+                self.traced_inputs = tuple((t.shape, t.dtype) for t in order.inputs), order.arity
                 self.plan = plan_stages(self.module, mesh.pp_size, self.virtual_stages, self.plan.blocks_path,
                                         self.layout, order, self.placement)
         shared = shared_parameters(self.module, self.plan)
@@ -175,6 +179,25 @@ class PipelineEngine:
         if order is not None:
             with meta_device(self.module, on_meta):
                 self._probe(order, meta_batch(micro) if on_meta else micro, step_fn, on_meta)
+
+    def run_stages(self, batch: Any, step: str) -> None:
+        """Run each of this rank's stages forward once on the first micro-batch of ``batch`` (a batch as
+        ``step`` receives it, like the one ``partition`` traced) in the modules' current modes, leaving
+        nothing behind: for setup checks that watch what a stage's modules receive
+        (``checks/verify_split.py``). A stage after the first starts from a random hidden state shaped as
+        the traced one, the same on every rank of the stage (such a check compares two runs on the same
+        input, whatever its values). Runs nothing where the setup trace did not run."""
+        if self.traced_inputs is None:
+            return
+        inputs, arity = self.traced_inputs
+        micro = split_batch(batch, self.micro_batches)[0][0]
+        for stage in self.plan.stages_of_rank(self.mesh.pp_rank):
+            received = None
+            if stage > 0:
+                shape, dtype = inputs[self.plan.stage_blocks[stage].start]
+                received = torch.randn(shape, generator=torch.Generator().manual_seed(stage)).to(self.link.device, dtype)
+            with untouched(self.module), traced_conditions(self.module), self.capture.suppressed():
+                self._forward(stage, micro, getattr(self.module, step), (0,), received, arity, False)
 
     def _trace(self, micro: Any, step_fn: Callable, on_meta: bool, example: Any) -> Optional[RunOrder]:
         """``order.trace_run_order`` on ``micro``, on the meta device for a meta-device model; None where

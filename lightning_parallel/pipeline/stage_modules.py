@@ -27,8 +27,9 @@ import functools
 import inspect
 import types
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -362,6 +363,19 @@ def check_order(runtime: StageRuntime, name: str, before_blocks: bool) -> None:
 def _dispatched_forward(block: nn.Module, *args, **kwargs):
     """Forward of an owned block: its class's own forward, run when the runtime says so."""
     return block._pipeline_dispatch(functools.partial(type(block).forward, block), *args, **kwargs)
+
+
+@contextmanager
+def called_directly(module: nn.Module) -> Iterator[None]:
+    """Inside, the owned blocks in ``module`` (or ``module`` itself) run their class's forward when called,
+    as outside a pipeline: for setup checks that compare a block with a whole copy of it."""
+    dispatched = [m for m in module.modules() if "_pipeline_dispatch" in vars(m) and "forward" in vars(m)]
+    forwards = [vars(m).pop("forward") for m in dispatched]
+    try:
+        yield
+    finally:
+        for m, forward in zip(dispatched, forwards):
+            m.forward = forward
 
 
 def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:

@@ -29,6 +29,8 @@ from torch import nn
 
 from lightning_parallel.pipeline.partition import StagePlan
 from lightning_parallel.pipeline.schedules import all_ranks, simulate
+from lightning_parallel.tensor_parallel.moe import expert_layout
+from lightning_parallel.tensor_parallel.shapes import find_fused_attention
 
 # bytes per element: parameter, gradient, AdamW state (two tensors), activation
 _PRECISION_BYTES = {
@@ -123,14 +125,28 @@ def parameters_per_rank(model: nn.Module, stages: StagePlan, tp_sharded: set[int
 
 
 def tp_sharded_parameters(assignments) -> set[int]:
-    """Ids of the weight matrices (and column-parallel biases) that a TP plan's assignments shard."""
+    """Ids of the parameters a TP plan's assignments shard, as ``tensor_parallel/apply.py`` shards them:
+    a colwise layer's weight and bias, a rowwise layer's weight, an embedding's rows, a whole attention's
+    projections but its output bias, every expert's weights, the ``params`` of ``local_params`` and
+    ``all_reduce`` modules. Works on a model built on the meta device."""
     ids: set[int] = set()
     for a in assignments:
-        if a.entry.style is None or a.entry.style == "sequence_scatter":
-            continue
-        for name, p in a.module.named_parameters():
-            if p.dim() >= 2 or (a.entry.style in ("colwise", "vocab") and name == "bias"):
-                ids.add(id(p))
+        m, style = a.module, a.entry.style
+        if style == "colwise":
+            names = ["weight", "bias"]
+        elif style in ("rowwise", "vocab"):
+            names = ["weight"]
+        elif style == "attention":
+            out = "out_proj" if isinstance(m, nn.MultiheadAttention) else find_fused_attention(m).out
+            names = [n for n, _ in m.named_parameters() if n != f"{out}.bias"]
+        elif style == "moe_experts":
+            names = list(expert_layout(m))
+        elif style in ("local_params", "all_reduce"):
+            names = [n for n, _ in a.entry.params]
+        else:
+            names = []
+        params = dict(m.named_parameters())
+        ids.update(id(params[n]) for n in names if params.get(n) is not None)
     return ids
 
 

@@ -28,6 +28,7 @@ script seeds them alike, and the strategy's own seeding happens after the model 
 from __future__ import annotations
 
 import copy
+import gc
 import hashlib
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -256,8 +257,11 @@ def materialize(model: nn.Module, unsplit: UnsplitModel, tp_rank: int, tp_size: 
     """Give every meta parameter left on ``model`` (this rank's stage and shards) its initial value.
 
     Parameters keep their identity (``torch.utils.swap_tensors``), so the tied-weight and gradient
-    hooks set up on the meta model keep working; their ``tp_shard`` and other attributes stay.
+    hooks set up on the meta model keep working; their ``tp_shard`` and other attributes stay. A swap
+    needs no other reference to the parameter: the autograd graph of the pipeline's setup trace, left
+    in a reference cycle, can still hold one until the garbage collector runs, so it runs first.
     """
+    gc.collect()
     todo: dict[int, list[tuple[str, nn.Parameter]]] = {}
     done: set[int] = set()
     for name, p in model.named_parameters(remove_duplicate=False):

@@ -46,6 +46,13 @@ from lightning_parallel.checkpoint.atomic import remove_checkpoint_dir, save_fil
 from lightning_parallel.checkpoint.hf_models import RECORD_KEY as HF_RECORD_KEY
 from lightning_parallel.checkpoint.hf_models import describe as describe_hf_models
 from lightning_parallel.checks.launch import validate_launch
+from lightning_parallel.checks.share import Share, measured_share
+from lightning_parallel.checks.verify_split import (
+    SplitChecker,
+    Verification,
+    check_split_against_whole,
+    prepare_split_check,
+)
 from lightning_parallel.compat import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -58,6 +65,7 @@ from lightning_parallel.compat import (
     set_skip_backward,
 )
 from lightning_parallel.data_parallel import GradientSynchronizer
+from lightning_parallel.data_parallel.buffers import BufferBroadcast
 from lightning_parallel.data_parallel.zero import ZeroOneSharding
 from lightning_parallel.errors import LaunchError, LightningParallelError, python_arguments
 from lightning_parallel.mesh import ParallelMesh
@@ -100,7 +108,8 @@ class ParallelStrategy(_LightningParallelStrategy):
 
     Args:
         data_parallel, tensor_parallel, pipeline_parallel, micro_batches, schedule, virtual_stages,
-        sequence_parallel, tp_plan, pipeline_blocks, pipeline_layout, bucket_size_mb, zero_stage:
+        sequence_parallel, tp_plan, pipeline_blocks, pipeline_layout, bucket_size_mb, zero_stage,
+        broadcast_buffers, verify_split:
             the layout and its options, each documented on ``ParallelOptions`` (``options.py``).
             A size given as ``"auto"`` (tensor_parallel, pipeline_parallel, schedule,
             virtual_stages, zero_stage): at setup, every rank takes the planner's best layout for
@@ -127,6 +136,8 @@ class ParallelStrategy(_LightningParallelStrategy):
         pipeline_layout: Optional[list[int]] = None,
         bucket_size_mb: float = 25.0,
         zero_stage: Union[int, str] = 0,
+        broadcast_buffers: bool = True,
+        verify_split: bool = True,
         start_method: StartMethod = "popen",
         timeout: Union[timedelta, float] = timedelta(minutes=30),
         process_group_backend: Optional[str] = None,
@@ -150,6 +161,7 @@ class ParallelStrategy(_LightningParallelStrategy):
             micro_batches=micro_batches, schedule=schedule, virtual_stages=virtual_stages,
             sequence_parallel=sequence_parallel, tp_plan=tp_plan, pipeline_blocks=pipeline_blocks,
             pipeline_layout=pipeline_layout, bucket_size_mb=bucket_size_mb, zero_stage=zero_stage,
+            broadcast_buffers=broadcast_buffers, verify_split=verify_split,
         )
         self.layout_search: Optional[SearchResult] = None  # the ranked layouts "auto" chose from (once, at setup)
         self._start_method = start_method
@@ -167,6 +179,10 @@ class ParallelStrategy(_LightningParallelStrategy):
         self._split_module: Optional[weakref.ref] = None  # the module split by _split, kept across Trainer calls
         self._empty_init = False  # init_module(empty_init=True) was asked: configure_model builds on meta too
         self.finalize_gradients: Optional[GradientFinalizer] = None
+        self.buffer_broadcast: Optional[BufferBroadcast] = None  # DDP's broadcast_buffers over the DP group
+        self._split_check: Optional[SplitChecker] = None  # the whole copies to compare the split with
+        self.split_verification: Optional[Verification] = None  # what the check compared, and its cost
+        self.parameter_share: Optional[Share] = None  # what the largest rank holds of the split model
 
     # ---- what Lightning asks of a parallel strategy ---------------------------------------------
     @property
@@ -366,8 +382,14 @@ class ParallelStrategy(_LightningParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         if self.options.tp > 1 and self.pipeline is None:  # the pipeline probes its own stages
             refuse_failing_split(self, trainer, self._tp_reference)
+        if self._split_check is not None:  # tensor parallelism, pipelined or not
+            self.split_verification = check_split_against_whole(self, trainer, self._split_check, self._tp_reference)
+            self._split_check = None
+        if self.options.tp > 1 and self.pipeline is None:
             refuse_wrong_split(self, self._tp_reference)
             self._tp_reference = None
+        if self.options.broadcast_buffers and self.mesh.dp_size > 1:  # after the probes, whose steps are no real ones
+            self.buffer_broadcast = BufferBroadcast(module, self.mesh.dp_group)
 
     def _apply_layer_sync(self, model: Any) -> Any:
         """``Trainer(sync_batchnorm=True)``: BatchNorm statistics over the data-parallel replicas only.
@@ -397,6 +419,8 @@ class ParallelStrategy(_LightningParallelStrategy):
         if self.options.tp > 1:
             if self.options.pp == 1 and not on_meta:  # what the split must reproduce (probe.py)
                 self._tp_reference = unsplit_values(self, attached_trainer(module), module)
+            if self.options.verify_split:  # whole copies, before the split
+                self._split_check = prepare_split_check(module, self.mesh, self.options)
             parallelize(module, self.mesh, plan=self.options.tp_plan, sequence_parallel=self.options.sequence_parallel)
         if self.options.pp > 1:
             if self.options.tp > 1 and not on_meta:
@@ -417,6 +441,7 @@ class ParallelStrategy(_LightningParallelStrategy):
             self.pipeline.link.device = self.root_device
         if self.is_model_split:
             self._split_module = weakref.ref(module)
+            self.parameter_share = measured_share(module, self._unsplit_counts[""][0])
 
     def _agree_on_build(self, on_meta: bool) -> None:
         """Refuse, on every rank, a model built on the meta device on some ranks and with values on others
@@ -503,7 +528,12 @@ class ParallelStrategy(_LightningParallelStrategy):
             super().remove_checkpoint(filepath)
 
     # ---- steps ---------------------------------------------------------------------------------
+    def _before_forward(self) -> None:
+        if self.buffer_broadcast is not None:
+            self.buffer_broadcast.before_forward(synchronising=not self._sync_blocked)
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward()
         if self.pipeline is None:
             return super().training_step(*args, **kwargs)
         trainer = self.lightning_module.trainer
@@ -521,18 +551,21 @@ class ParallelStrategy(_LightningParallelStrategy):
         return loss
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward()
         if self.pipeline is None:
             return super().validation_step(*args, **kwargs)
         with self.precision_plugin.val_step_context():
             return self.pipeline.validation_step(*args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward()
         if self.pipeline is None:
             return super().test_step(*args, **kwargs)
         with self.precision_plugin.test_step_context():
             return self.pipeline.test_step(*args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward()
         if self.pipeline is None:
             return super().predict_step(*args, **kwargs)
         with self.precision_plugin.predict_step_context():

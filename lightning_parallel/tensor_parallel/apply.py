@@ -14,7 +14,6 @@ from __future__ import annotations
 from types import MethodType
 from typing import Optional
 
-import torch
 from torch import nn
 
 from .attention import (
@@ -72,6 +71,7 @@ def _rowwise(m: nn.Module, shard: _Sharder, sp: bool, fused: int = 1, split_inpu
 
 def _vocab(m: nn.Embedding, shard: _Sharder, sp: bool) -> VocabParallelEmbedding:
     scale = None if type(m).forward is nn.Embedding.forward else embed_scale(m)
+    buffer = m._buffers.get("embed_scale")  # Gemma: a tensor cast to the weight's dtype; BioGPT: a Python float
     return VocabParallelEmbedding(
         shard(m.weight, TPShard(dim=0)),
         shard.mesh.tp_group,
@@ -79,7 +79,7 @@ def _vocab(m: nn.Embedding, shard: _Sharder, sp: bool) -> VocabParallelEmbedding
         m.num_embeddings,
         m.padding_idx,
         sp,
-        None if scale is None else torch.as_tensor(scale, dtype=m.weight.dtype, device=m.weight.device),
+        buffer.detach().clone() if scale is not None and buffer is not None else scale,
     )
 
 

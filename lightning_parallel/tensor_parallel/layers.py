@@ -11,7 +11,7 @@ identity, and a row layer reduce-scatters its output instead of the ``g`` all-re
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -137,8 +137,9 @@ class VocabParallelEmbedding(nn.Module):
     it does not own, and the partial results are summed across ranks (Megatron's
     ``VocabParallelEmbedding``); with sequence parallelism the sum is a reduce-scatter along the
     sequence, which is where the sequence-parallel region begins. ``embed_scale``: a factor the
-    embedding's own forward multiplied its output by (Gemma's scaled word embedding), kept as the
-    same non-persistent buffer.
+    embedding's own forward multiplied its output by, in the same form: a tensor cast to the output's
+    dtype first, kept as the same non-persistent buffer (Gemma's scaled word embedding), or a Python
+    number (BioGPT's), which a low-precision product keeps at full precision.
     """
 
     def __init__(
@@ -149,11 +150,13 @@ class VocabParallelEmbedding(nn.Module):
         num_embeddings: int,
         padding_idx: Optional[int] = None,
         sequence_parallel: bool = False,
-        embed_scale: Optional[torch.Tensor] = None,
+        embed_scale: Optional[Union[torch.Tensor, float]] = None,
     ) -> None:
         super().__init__()
         self.weight = weight  # (padded vocab / tp, dim)
-        self.register_buffer("embed_scale", embed_scale, persistent=False)
+        tensor = isinstance(embed_scale, torch.Tensor)
+        self.register_buffer("embed_scale", embed_scale if tensor else None, persistent=False)
+        self.scalar_scale = None if tensor else embed_scale
         self.group = group
         self.num_embeddings = num_embeddings
         self.embedding_dim = weight.shape[1]
@@ -172,6 +175,8 @@ class VocabParallelEmbedding(nn.Module):
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.embed_scale is not None:
             out = out * self.embed_scale.to(out.dtype)
+        elif self.scalar_scale is not None:
+            out = out * self.scalar_scale
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_region(out, self.group)
         return reduce_from_region(out, self.group)

@@ -161,7 +161,7 @@ class _RunningModules:
             h.remove()
 
 
-def _small_example(batch: Any) -> Any:
+def small_example(batch: Any) -> Any:
     """The first two samples of ``batch`` (one if it holds one); the whole batch if it holds no tensor."""
     try:
         return split_batch(batch, max(1, batch_size(batch) // 2))[0][0]
@@ -314,7 +314,7 @@ def unsplit_values(strategy: Any, trainer: Any, module: nn.Module) -> Optional[t
     if batch is None:
         return None
     device = next(module.parameters()).device
-    example = _small_example(batch)
+    example = small_example(batch)
     try:
         values = _values(module, step, move_data_to_device(example, device), device)
     except Exception:  # noqa: BLE001 - the whole model failing is the user's own bug, reported by the step itself
@@ -376,7 +376,7 @@ def refuse_failing_split(strategy: Any, trainer: Any, reference: Optional[tuple[
         _, step, example = reference
     else:
         batch, step = first_batch(trainer, strategy)
-        example = None if batch is None else _small_example(batch)
+        example = None if batch is None else small_example(batch)
     error = None if example is None else _run(strategy, step, move_data_to_device(example, strategy.root_device))
     errors: list[Optional[str]] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)

@@ -90,9 +90,9 @@ def test_tensor_parallel_halves_the_block_matrices():
     tp2 = build_plan(config("+recipe=gpt_3d_cpu"))
     d = 64
     # last stage: 2 blocks, ln_f, tied head (256 x d). Matrices (12 d^2 per block, head) halve; the
-    # c_fc bias (4d) is column-parallel and halves too; the other vectors stay whole.
+    # c_attn (3d) and c_fc (4d) biases are column-parallel and halve too; the other vectors stay whole.
     matrices = 2 * 12 * d * d + 256 * d
-    assert tp1.memory[1].params - tp2.memory[1].params == matrices // 2 + 2 * 4 * d // 2
+    assert tp1.memory[1].params - tp2.memory[1].params == matrices // 2 + 2 * (3 * d + 4 * d) // 2
 
 
 def test_activation_formula_is_korthikanti_table_2():

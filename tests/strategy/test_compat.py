@@ -21,6 +21,7 @@ REEXPORTED = [
     "_optimizers_to_device",
     "_sync_module_states",
     "_sync_module_states_over",
+    "_sync_params_and_buffers",
     "_SubprocessScriptLauncher",
     "_MultiProcessingLauncher",
     "_WorkerOutput",

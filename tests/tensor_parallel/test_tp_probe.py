@@ -88,9 +88,10 @@ class RecordingStrategy(ParallelStrategy):
 
 
 def refused_messages(module: Regression, out: Path) -> list[str]:
-    """Fit ``module`` with TP=2 and return what setup raised on each rank; no step may have run."""
+    """Fit ``module`` with TP=2 and return what setup raised on each rank; no step may have run. The
+    float64 check of the split (``test_verify_split.py``) is off: these tests are about the probes."""
     strategy = RecordingStrategy(out, tensor_parallel=2, start_method="fork", timeout=timedelta(seconds=30),
-                                 tp_plan={"body.up": "colwise", "body.down": "rowwise"})
+                                 tp_plan={"body.up": "colwise", "body.down": "rowwise"}, verify_split=False)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[MarkSteps(out)])
