@@ -46,8 +46,8 @@ from hydra.utils import instantiate
 from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_parallel import compat
+from lightning_parallel.cli.launch_plan import build_plan
 from lightning_parallel.cli.overrides import compose_config
-from lightning_parallel.cli.plan import build_plan
 from lightning_parallel.data_parallel.grad_sync import GradientSynchronizer
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.options import ParallelOptions

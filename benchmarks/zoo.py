@@ -86,7 +86,15 @@ from zoo_models import (  # noqa: E402
     token_batches,
 )
 from zoo_random import KeyedDraws  # noqa: E402
-from zoo_report import is_done, new_results, save, summary_line, totals, totals_text, write_report  # noqa: E402
+from zoo_report import (  # noqa: E402
+    is_done,
+    new_results,
+    save,
+    summary_line,
+    totals,
+    totals_text,
+    write_report,
+)
 
 from lightning_parallel import PipelineParallelStrategy, TensorParallelStrategy  # noqa: E402
 from lightning_parallel.tensor_parallel import gather_full_tensor  # noqa: E402

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import lightning as L
 import torch
-
 from zoo_models import SHAPES
 
 KINDS = ("parity", "refused", "crash", "wrong", "random", "hang")

@@ -14,7 +14,12 @@ from lightning_parallel.pipeline.errors import (
     PipelineConfigError,
     PipelineIncompatibleModel,
 )
-from lightning_parallel.pipeline.partition import StagePlan, block_lists, find_blocks, plan_stages
+from lightning_parallel.pipeline.partition import (
+    StagePlan,
+    block_lists,
+    find_blocks,
+    plan_stages,
+)
 from lightning_parallel.pipeline.schedules import placement_of
 from lightning_parallel.tensor_parallel.detect import detect_plan
 from lightning_parallel.tensor_parallel.plan import TensorParallelError, parse_plan

@@ -23,7 +23,10 @@ from torch import nn
 
 from lightning_parallel.errors import Fix, LaunchError
 from lightning_parallel.pipeline.partition import StagePlan
-from lightning_parallel.planner.estimate import parameters_per_rank, tp_sharded_parameters
+from lightning_parallel.planner.estimate import (
+    parameters_per_rank,
+    tp_sharded_parameters,
+)
 from lightning_parallel.tensor_parallel.names import block_glob
 
 WORTHLESS = 0.9

@@ -34,12 +34,12 @@ from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
 
 from lightning_parallel.checks.model import tp_assignments
+from lightning_parallel.checks.split_values import small_example
 from lightning_parallel.compat import tree_map
 from lightning_parallel.errors import LaunchError
 from lightning_parallel.pipeline.example import first_batch
@@ -47,8 +47,12 @@ from lightning_parallel.pipeline.isolation import untouched
 from lightning_parallel.pipeline.logs import LogCapture
 from lightning_parallel.pipeline.stage_modules import called_directly
 from lightning_parallel.tensor_parallel.comm import SEQ_DIM
-from lightning_parallel.tensor_parallel.probe import small_example
-from lightning_parallel.tensor_parallel.shard import TPShard, gather_full_tensor, merge_shards, slice_shard
+from lightning_parallel.tensor_parallel.shard import (
+    TPShard,
+    gather_full_tensor,
+    merge_shards,
+    slice_shard,
+)
 
 from .split_compare import Difference, compare, magnitude
 from .split_run import Captured, Float64Run, capture_inputs

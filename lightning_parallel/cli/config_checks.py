@@ -3,7 +3,7 @@
 `lp-train` and `lp-plan` run these first: pipeline options (``micro_batches >= 1``, a known
 schedule), and the files the config names (``ckpt_path``, ``data.path``). Each error states the
 violated constraint and the override that fixes it. Layout and model checks, which need torch and
-the model, follow in ``cli/plan.py``'s ``build_plan``.
+the model, follow in ``cli/launch_plan.py``'s ``build_plan``.
 """
 
 from __future__ import annotations

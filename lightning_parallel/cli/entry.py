@@ -118,7 +118,7 @@ def _arguments_refused(built, keys: list[str]) -> list[str]:
 def _with_command(message: str, prog: str, fixed: list[str]) -> str:
     """``message`` and the command line of ``fixed``; if that launch would be refused too, the refusal
     with its own fixes instead (only commands that pass every check are printed)."""
-    from lightning_parallel.cli.plan import explain_failure, launch_error
+    from lightning_parallel.cli.launch_plan import explain_failure, launch_error
 
     err = launch_error(fixed)
     if err is None:

@@ -11,7 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch.callbacks import RichModelSummary
-from lightning.pytorch.utilities.model_summary import get_formatted_model_size, get_human_readable_count
+from lightning.pytorch.utilities.model_summary import (
+    get_formatted_model_size,
+    get_human_readable_count,
+)
 
 
 class ParameterSummary(RichModelSummary):

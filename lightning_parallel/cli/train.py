@@ -19,7 +19,7 @@ into the same folder.
 Every `lp-*` command enters the same way (``cli/entry.py``): the folder it runs in is importable,
 and a mistyped key or a class of one's own given to a default config is answered with the command
 that works. Before Lightning is even imported, the launching process checks everything the config
-alone decides (``cli/plan.py``'s ``check_launch``: sizes, layout, the model's divisibility on the
+alone decides (``cli/launch_plan.py``'s ``check_launch``: sizes, layout, the model's divisibility on the
 meta device, the batch shape read from the data, pipeline options, paths), so a bad launch fails
 in seconds, with fixes printed as whole command lines that pass the same checks, before any rank
 starts.
@@ -109,14 +109,14 @@ def _host_or_refuse(cfg: DictConfig, model, problems: dict[str, str], processes:
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit `cfg.model` on `cfg.data` with `cfg.trainer`; return the final logged metrics."""
     if cfg.dry_run:
-        from lightning_parallel.cli.plan import dry_run
+        from lightning_parallel.cli.launch_plan import dry_run
 
         dry_run(cfg)
         return {}
     from lightning_parallel.cli.config_checks import check_config
 
     check_config(cfg)  # seconds before torch and Lightning are imported
-    from lightning_parallel.cli.plan import check_launch
+    from lightning_parallel.cli.launch_plan import check_launch
 
     plan = check_launch(cfg)
 
@@ -150,7 +150,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     except (ConfigurationError, LaunchError) as err:  # the launch checks here, or the strategy in its words
         from hydra.core.hydra_config import HydraConfig
 
-        from lightning_parallel.cli.plan import explain_failure
+        from lightning_parallel.cli.launch_plan import explain_failure
 
         message = explain_failure(err, "lp-train", list(HydraConfig.get().overrides.task), cfg) if err.fixes else err
         print(f"lp-train: this launch would fail:\n{message}", file=sys.stderr)

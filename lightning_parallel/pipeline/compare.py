@@ -1,7 +1,7 @@
 """Compare what a split model computes with what the whole model computed on the same input.
 
 Both setup checks use it: the pipeline's stage probe (``PipelineEngine._probe``, a stage's output
-against the traced whole forward) and the tensor-parallel value check (``tensor_parallel/probe.py``,
+against the traced whole forward) and the tensor-parallel value check (``checks/split_values.py``,
 the split step's loss and logged values against the whole model's).
 """
 

@@ -22,7 +22,11 @@ from torch import nn
 
 from lightning_parallel.errors import Fix
 from lightning_parallel.options import AUTO, ParallelOptions
-from lightning_parallel.planner.batch import BatchShapeUnknown, batch_shape, datamodule_shape
+from lightning_parallel.planner.batch import (
+    BatchShapeUnknown,
+    batch_shape,
+    datamodule_shape,
+)
 from lightning_parallel.planner.calibrate import nominal
 from lightning_parallel.planner.search import (
     PlanError,

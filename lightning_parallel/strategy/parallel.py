@@ -47,6 +47,11 @@ from lightning_parallel.checkpoint.hf_models import RECORD_KEY as HF_RECORD_KEY
 from lightning_parallel.checkpoint.hf_models import describe as describe_hf_models
 from lightning_parallel.checks.launch import validate_launch
 from lightning_parallel.checks.share import Share, measured_share
+from lightning_parallel.checks.split_values import (
+    refuse_failing_split,
+    refuse_wrong_split,
+    unsplit_values,
+)
 from lightning_parallel.checks.verify_split import (
     SplitChecker,
     Verification,
@@ -67,7 +72,11 @@ from lightning_parallel.compat import (
 from lightning_parallel.data_parallel import GradientSynchronizer
 from lightning_parallel.data_parallel.buffers import BufferBroadcast
 from lightning_parallel.data_parallel.zero import ZeroOneSharding
-from lightning_parallel.errors import LaunchError, LightningParallelError, python_arguments
+from lightning_parallel.errors import (
+    LaunchError,
+    LightningParallelError,
+    python_arguments,
+)
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline import PipelineEngine
@@ -79,7 +88,10 @@ from lightning_parallel.strategy.gradients import (
     GradientFinalizer,
     shared_across_stages,
 )
-from lightning_parallel.strategy.launcher import MultiProcessingLauncher, SubprocessScriptLauncher
+from lightning_parallel.strategy.launcher import (
+    MultiProcessingLauncher,
+    SubprocessScriptLauncher,
+)
 from lightning_parallel.strategy.materialize import (
     UnsplitModel,
     broadcast_on_host,
@@ -94,11 +106,6 @@ from lightning_parallel.strategy.metric_sync import sync_metrics_per_replica
 from lightning_parallel.strategy.requeue import DeferredRequeue
 from lightning_parallel.strategy.summary import count_parameters, report_whole_model
 from lightning_parallel.tensor_parallel import parallelize
-from lightning_parallel.tensor_parallel.probe import (
-    refuse_failing_split,
-    refuse_wrong_split,
-    unsplit_values,
-)
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
@@ -175,7 +182,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         self._sync_blocked = False
         self._requeue = DeferredRequeue(None)
         self._unsplit_counts: dict[str, tuple[int, int]] = {}  # parameters per module before the split
-        self._tp_reference: Optional[tuple] = None  # the whole model's values on the probe's example (probe.py)
+        self._tp_reference: Optional[tuple] = None  # the whole model's values on the probe's example (checks/split_values.py)
         self._split_module: Optional[weakref.ref] = None  # the module split by _split, kept across Trainer calls
         self._empty_init = False  # init_module(empty_init=True) was asked: configure_model builds on meta too
         self.finalize_gradients: Optional[GradientFinalizer] = None
@@ -417,7 +424,7 @@ class ParallelStrategy(_LightningParallelStrategy):
             self.model_to_device()
             _sync_module_states(module)
         if self.options.tp > 1:
-            if self.options.pp == 1 and not on_meta:  # what the split must reproduce (probe.py)
+            if self.options.pp == 1 and not on_meta:  # what the split must reproduce (checks/split_values.py)
                 self._tp_reference = unsplit_values(self, attached_trainer(module), module)
             if self.options.verify_split:  # whole copies, before the split
                 self._split_check = prepare_split_check(module, self.mesh, self.options)

@@ -28,13 +28,13 @@ from torch.utils.data import DataLoader, Sampler
 
 from lightning_parallel import ParallelStrategy
 from lightning_parallel.checkpoint import CheckpointMismatchError, load_sharded
-from lightning_parallel.cli.consolidate import main as consolidate_main
 from lightning_parallel.checkpoint.format import (
     Piece,
     full_optimizer_state,
     full_tensor,
     local_tensor,
 )
+from lightning_parallel.cli.consolidate import main as consolidate_main
 from lightning_parallel.models.gpt import GPT
 from lightning_parallel.tensor_parallel.shard import TPShard, merge_shards, slice_shard
 from tests.helpers.parity import (

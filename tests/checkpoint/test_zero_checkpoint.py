@@ -23,8 +23,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lightning_parallel import ParallelStrategy
-from lightning_parallel.cli.consolidate import main as consolidate_main
 from lightning_parallel.checkpoint.dcp import OPTIMIZER_PREFIX, read_metadata
+from lightning_parallel.cli.consolidate import main as consolidate_main
 from lightning_parallel.data_parallel.zero import ZeroOneSharding
 from tests.checkpoint.test_checkpoint import (
     DATASET,

@@ -12,14 +12,14 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_parallel.checks.share import planned_share
-from lightning_parallel.mesh import ParallelMesh
-from lightning_parallel.models.gpt import GPT
 from lightning_parallel.checks.model import check_model
+from lightning_parallel.checks.share import planned_share
+from lightning_parallel.cli.launch_plan import build_plan, format_plan
 from lightning_parallel.cli.overrides import compose_config
-from lightning_parallel.cli.plan import build_plan, format_plan
 from lightning_parallel.cli.run_summary import RunSummary
 from lightning_parallel.errors import LaunchError
+from lightning_parallel.mesh import ParallelMesh
+from lightning_parallel.models.gpt import GPT
 from lightning_parallel.options import ParallelOptions
 from lightning_parallel.planner.estimate import tp_sharded_parameters
 from lightning_parallel.strategy import ParallelStrategy

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from lightning_parallel.cli.launch_plan import build_plan
 from lightning_parallel.cli.overrides import compose_config
-from lightning_parallel.cli.plan import build_plan
 
 TINY = [
     "model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.block_size=32",

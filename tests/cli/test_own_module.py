@@ -5,7 +5,7 @@ module that shuffles and saves no hyperparameters, a model with nothing to split
 folder and runs the real command there, as a new user would: `lp-plan` in this process (its
 ``main``, in that folder), `lp-train`, a `LightningCLI` script and a plain training script in
 subprocesses. Every command line a command prints is pasted back and must pass the launch checks
-(``cli/plan.py``, what `lp-train` runs before any rank starts).
+(``cli/launch_plan.py``, what `lp-train` runs before any rank starts).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from lightning_parallel.cli.launch_plan import build_plan
 from lightning_parallel.cli.overrides import compose_config
-from lightning_parallel.cli.plan import build_plan
 from lightning_parallel.cli.plan import main as lp_plan_main
 
 MY_PKG = '''

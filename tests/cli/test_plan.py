@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_module
 
 from lightning_parallel.checks.launch import check_allocation, validate_launch
-from lightning_parallel.cli.plan import build_plan, main
+from lightning_parallel.cli.launch_plan import build_plan
+from lightning_parallel.cli.plan import main
 from lightning_parallel.errors import LaunchError
 from lightning_parallel.models.gpt import GPT
 from lightning_parallel.options import ParallelOptions

@@ -66,7 +66,7 @@ def test_single_process_run_lowers_validation_loss(tmp_path):
 def test_dry_run_plans_and_trains_nothing(tmp_path, monkeypatch):
     seen = []
     fake = types.SimpleNamespace(dry_run=seen.append)
-    monkeypatch.setitem(sys.modules, "lightning_parallel.cli.plan", fake)
+    monkeypatch.setitem(sys.modules, "lightning_parallel.cli.launch_plan", fake)
     cfg = _compose("dry_run=true", "strategy=3d", f"trainer.default_root_dir={tmp_path}")
     assert train(cfg) == {}
     assert seen == [cfg]

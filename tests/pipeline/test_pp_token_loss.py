@@ -34,7 +34,12 @@ from lightning_parallel.pipeline.targets import (
 )
 from tests.helpers.parity import assert_params_close, fit_and_record
 from tests.helpers.processes import make_mesh, run_distributed
-from tests.pipeline.test_pp_training import LOSS_TOL, PARAM_TOL, assert_records_match, pp_strategy
+from tests.pipeline.test_pp_training import (
+    LOSS_TOL,
+    PARAM_TOL,
+    assert_records_match,
+    pp_strategy,
+)
 from tests.strategy.test_3d import ShardRecorder, gather_records
 
 VOCAB, SEQ, MASK_ID = 128, 16, 3

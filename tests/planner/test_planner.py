@@ -151,8 +151,8 @@ def test_lp_plan_search_prints_the_ranked_table_and_the_overrides(capsys):
     # the command to train with it carries the user's overrides and pins every size: no search at setup
     command = shlex.split(lines[lines.index("train with it:") + 1])
     assert command[:4] == ["lp-train", "strategy=auto", "model.n_layer=4", "model.n_embd=64"]
+    from lightning_parallel.cli.launch_plan import build_plan
     from lightning_parallel.cli.overrides import compose_config
-    from lightning_parallel.cli.plan import build_plan
 
     plan = build_plan(compose_config(command[1:]), env={})
     assert plan.search is None and plan.mesh.world_size == 8
@@ -167,8 +167,8 @@ def test_lp_plan_refuses_cluster_flags_without_search(capsys):
 
 
 def test_lp_plan_of_strategy_auto_pins_the_same_layout():
+    from lightning_parallel.cli.launch_plan import build_plan
     from lightning_parallel.cli.overrides import compose_config
-    from lightning_parallel.cli.plan import build_plan
 
     overrides = ["strategy=auto", "trainer.devices=4", "data.batch_size=8"]
     plan = build_plan(compose_config(overrides), env={})

@@ -14,7 +14,11 @@ import torch
 from torch import nn
 
 from lightning_parallel.strategy.empty_init import empty_parameters, unreplayable
-from lightning_parallel.strategy.materialize import UnsplitModel, has_meta_parameters, materialize
+from lightning_parallel.strategy.materialize import (
+    UnsplitModel,
+    has_meta_parameters,
+    materialize,
+)
 
 CPU = torch.device("cpu")
 # constructor arguments tried in turn until one builds the layer

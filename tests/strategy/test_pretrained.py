@@ -225,7 +225,11 @@ def _saved(kind: str, path) -> str:
 
 @pytest.mark.parametrize("kind", ["sharded", "tied", "converted"])
 def test_from_pretrained_on_meta_gives_the_files_weights(kind, tmp_path):
-    from lightning_parallel.strategy.materialize import UnsplitModel, empty_parameters, materialize
+    from lightning_parallel.strategy.materialize import (
+        UnsplitModel,
+        empty_parameters,
+        materialize,
+    )
 
     transformers.logging.set_verbosity_error()
     folder = _saved(kind, tmp_path)

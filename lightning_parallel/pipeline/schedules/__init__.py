@@ -53,7 +53,11 @@ from lightning_parallel.pipeline.schedules.registry import (
     schedule_spec,
     validate_schedule,
 )
-from lightning_parallel.pipeline.schedules.simulator import Interval, Simulation, simulate
+from lightning_parallel.pipeline.schedules.simulator import (
+    Interval,
+    Simulation,
+    simulate,
+)
 from lightning_parallel.pipeline.schedules.validation import replay, validate
 from lightning_parallel.pipeline.schedules.zero_bubble import (
     defer_last_weight_pass,

@@ -1,4 +1,4 @@
-"""The setup probe of a tensor-parallel model (``tensor_parallel/probe.py``).
+"""The setup probe of a tensor-parallel model (``checks/split_values.py``).
 
 A model whose forward breaks once its layers are sharded is refused at setup, with one message on
 every rank, before the first training step; a model that trains under TP trains exactly as it would
@@ -19,10 +19,10 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_parallel.strategy.parallel as strategy_module
+from lightning_parallel.checks.split_values import refusal
 from lightning_parallel.errors import LaunchError
 from lightning_parallel.models.gpt import GPT
 from lightning_parallel.strategy import ParallelStrategy
-from lightning_parallel.tensor_parallel.probe import refusal
 from tests.tensor_parallel.test_tp_training import SEQ, STEPS, VOCAB, LlamaModule, fit
 
 

@@ -1,0 +1,298 @@
+"""The plan of an `lp-train` launch, checked before anything heavy starts: sizes, layout, the model's
+split on the meta device, the batch shape and the memory estimate (``build_plan``), and a refusal
+explained with fixes that pass every check (``explain_failure``). `lp-train` runs ``check_launch``
+first, `lp-plan` prints ``format_plan``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Optional
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from lightning_parallel.checks.launch import check_allocation, check_layout
+from lightning_parallel.checks.model import check_model
+from lightning_parallel.checks.share import Share, planned_share
+from lightning_parallel.cli.config_checks import check_config, parallel_options
+from lightning_parallel.cli.overrides import compose_config
+from lightning_parallel.cli.suggest import (
+    explained,
+)
+from lightning_parallel.errors import (
+    Fix,
+    LaunchError,
+    LightningParallelError,
+)
+from lightning_parallel.mesh import ParallelMesh
+from lightning_parallel.pipeline.partition import StagePlan
+from lightning_parallel.planner import (
+    SearchResult,
+)
+from lightning_parallel.planner.auto import choose, pinned, report
+from lightning_parallel.planner.batch import (
+    BatchShapeUnknown,
+    argument_shape,
+    datamodule_shape,
+)
+from lightning_parallel.planner.estimate import (
+    RankMemory,
+    count_parameters,
+    estimate_memory,
+    tp_sharded_parameters,
+)
+from lightning_parallel.tensor_parallel.resolve import divisors
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything the dry run reports about one config."""
+
+    model_name: str
+    parameters: int
+    num_nodes: int
+    devices_per_node: int
+    precision: str
+    mesh: ParallelMesh
+    stages: StagePlan | None
+    memory: list[RankMemory]
+    micro_batches: int
+    micro_batch_size: int | None
+    tokens_per_step: int | None
+    # "module glob: style" -> number of modules it shards
+    tp_plan: dict[str, int] = field(default_factory=dict)
+    # strategy=auto: the ranked layouts the strategy will choose from
+    search: SearchResult | None = None
+    # why the memory is not estimated (the batch shape unknown, no block list), or None
+    memory_left_out: str | None = None
+    # the parameters on the most loaded rank (checks/share.py)
+    share: Share | None = None
+
+
+def build_plan(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> LaunchPlan:
+    """Check the launch described by a composed `lp-train` config and estimate its memory.
+
+    Raises ``ConfigurationError`` (config_checks) or ``LaunchError`` (checks).
+
+    ``env`` is the environment the SLURM allocation is read from (none outside a job).
+    """
+    check_config(cfg)
+    options = parallel_options(cfg)
+    num_nodes, devices = int(cfg.trainer.num_nodes), int(cfg.trainer.devices)
+    check_allocation(num_nodes, devices, env)
+    model, searched, shape, unknown = None, None, None, None
+    try:
+        shape = data_batch_shape(cfg)
+    except BatchShapeUnknown as err:
+        unknown = str(err)
+    if options.is_auto:  # the layout the strategy will choose at setup
+        model = meta_model(cfg)
+        if shape is None:
+            raise LaunchError(f"strategy=auto chooses the layout for the model and its batch shape, but {unknown}; "
+                              "give the sizes instead, e.g.", [pinned(options)])
+        searched = choose(model, num_nodes, devices, device_kind(cfg.trainer.accelerator), shape[0], shape[1],
+                          str(cfg.trainer.precision), options)
+        options = options.resolved(searched.best.candidate.layout.options())
+    mesh = check_layout(options, num_nodes, devices)
+    if model is None:
+        model = meta_model(cfg)
+    # a network built in the module's setup hook exists only once the run starts: the strategy checks it then
+    built = any(True for _ in model.parameters())
+    assignments, stages = check_model(model, mesh, options) if built else ([], None)
+    micro_batches = options.micro_batches or mesh.pp_size
+    if shape is not None and shape[0] % micro_batches:
+        _refuse_micro_batches(shape[0], micro_batches)
+    memory = []
+    if not built:
+        unknown = f"{type(model).__name__} builds its network when the run starts (its setup hook)"
+    elif stages is None:
+        unknown = f"{type(model).__name__} has no list of repeated blocks for the estimate to count"
+    elif shape is not None:
+        batch, seq = shape
+        memory = estimate_memory(
+            model, stages, tp_sharded_parameters(assignments), mesh.tp_size, seq, batch // micro_batches,
+            micro_batches, options.schedule_name, options.sequence_parallel,
+            cfg.trainer.precision,
+        )
+    accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1))
+    return LaunchPlan(
+        model_name=type(model).__name__,
+        parameters=count_parameters(model),
+        num_nodes=num_nodes,
+        devices_per_node=devices,
+        precision=str(cfg.trainer.precision),
+        mesh=mesh,
+        stages=stages,
+        memory=memory,
+        micro_batches=micro_batches,
+        micro_batch_size=shape[0] // micro_batches if shape is not None else None,
+        tokens_per_step=shape[0] * shape[1] * mesh.dp_size * accumulate if shape is not None else None,
+        tp_plan=dict(Counter(f"{a.glob}: {a.entry.style}" for a in assignments if a.entry.style)),
+        search=searched,
+        memory_left_out=None if memory else unknown,
+        share=planned_share(model, assignments, mesh.tp_size, stages if mesh.pp_size > 1 else None),
+    )
+
+
+def _refuse_micro_batches(batch: int, micro_batches: int) -> None:
+    fewer = max(d for d in divisors(batch) if d <= micro_batches)
+    raise LaunchError(
+        f"the batch of {batch} sequences (per replica) is not divisible by micro_batches={micro_batches}; use a "
+        f"batch size that is a multiple of it, or fewer micro-batches, e.g.",
+        [Fix({"data.batch_size": batch - batch % micro_batches or micro_batches}),
+         Fix({"strategy.micro_batches": fewer})],
+    )
+
+
+def data_batch_shape(cfg: DictConfig) -> tuple[int, int]:
+    """The batch shape of the run (``planner/batch.py``): the data config's ``batch_size`` and
+    ``block_size``, else the first batch of the data module's training loader. Raises
+    ``BatchShapeUnknown``."""
+    return argument_shape(cfg.data) or _loader_shape(OmegaConf.to_yaml(cfg.data, resolve=True))
+
+
+@lru_cache(maxsize=4)
+def _loader_shape(data_config: str) -> tuple[int, int]:
+    # once per data config: the fixes tried before printing change the layout, not the data
+    return datamodule_shape(instantiate(OmegaConf.create(data_config), _convert_="all"))
+
+
+def meta_model(cfg: DictConfig) -> nn.Module:
+    """The config's model on the meta device, as the strategy will see it: a ``from_pretrained`` inside
+    reads no weights, and a network built in ``configure_model`` is built too."""
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    from lightning_parallel.strategy.materialize import empty_parameters
+
+    with empty_parameters(draws=False):
+        model = instantiate(cfg.model)
+        if isinstance(model, LightningModule) and is_overridden("configure_model", model, LightningModule):
+            model.configure_model()
+    return model
+
+
+def device_kind(accelerator) -> str:
+    """``"cuda"`` or ``"cpu"`` for a Trainer ``accelerator`` value."""
+    if str(accelerator) in ("gpu", "cuda"):
+        return "cuda"
+    return "cuda" if str(accelerator) == "auto" and torch.cuda.is_available() else "cpu"
+
+
+def _closest_first(values: list[int], target: int) -> list[int]:
+    return sorted(values, key=lambda v: (abs(math.log(v / target)), -v))
+
+
+def _candidate_fixes(cfg: DictConfig) -> list[Fix]:
+    """Other layouts of the launch, the nearest to what was asked first."""
+    options = parallel_options(cfg)
+    nodes, devices = int(cfg.trainer.num_nodes), int(cfg.trainer.devices)
+    world = nodes * devices
+    tp, pp, dp = options.tp, options.pp, options.data_parallel
+    strategy = cfg.get("strategy") if isinstance(cfg.get("strategy"), DictConfig) else {}
+    fixes = []
+    for t in _closest_first(divisors(devices), tp):  # keep the allocation, change the layout
+        for p in _closest_first(divisors(world // t), pp):
+            settings = {f"strategy.{name}": v for name, v, now in (("tensor_parallel", t, tp), ("pipeline_parallel", p, pp))
+                        if v != now}
+            if "data_parallel" in strategy and (settings or str(dp) != str(world // (t * p))):
+                settings["strategy.data_parallel"] = world // (t * p)  # first: only the DP size changes
+            if settings:
+                fixes.append(Fix(settings, f"keep {nodes} node(s) x {devices} devices"))
+    wanted = tp * pp * (int(dp) if str(dp).isdigit() else max(1, world // (tp * pp)))
+    per_node = [d for d in divisors(wanted) if d % tp == 0]  # keep the layout, change the allocation
+    for d in _closest_first(per_node, devices) if per_node else []:
+        fixes.append(Fix({"trainer.num_nodes": wanted // d, "trainer.devices": d}, f"keep tp={tp} pp={pp}"))
+    return fixes
+
+
+def launch_error(overrides: list[str]) -> Optional[Exception]:
+    """What a launch with ``overrides`` would be refused with (outside any SLURM job), or None."""
+    try:
+        build_plan(compose_config(overrides), env={})
+    except (LightningParallelError, HydraException, ValueError, TypeError) as err:
+        return err
+    return None
+
+
+def explain_failure(err: Exception, prog: str, overrides: list[str], cfg: DictConfig) -> str:
+    """The refusal and, as whole command lines that pass every check, its own fixes and (a layout
+    that does not fit the allocation or the model) other layouts of the same launch."""
+    if not isinstance(err, LightningParallelError):
+        return str(err)
+    fixes = list(err.fixes)
+    if isinstance(err, LaunchError) and not parallel_options(cfg).is_auto:
+        fixes += _candidate_fixes(cfg)
+    return explained(err.problem, prog, overrides, fixes, cfg, launch_error)
+
+
+def _blocks(blocks: tuple[int, ...]) -> str:
+    return f"{blocks[0]}-{blocks[-1]}" if len(blocks) > 1 else str(blocks[0])
+
+
+def format_plan(plan: LaunchPlan) -> str:
+    lines = [] if plan.search is None else ["strategy=auto ranks these layouts (planner/auto.py):", report(plan.search)]
+    lines += [
+        f"model: {plan.model_name}, {plan.parameters / 1e6:,.1f}M parameters",
+        f"launch: {plan.num_nodes} node(s) x {plan.devices_per_node} devices, precision {plan.precision}",
+        plan.mesh.describe(plan.devices_per_node),
+    ]
+    if plan.tokens_per_step is not None:
+        batch = (f"batch: {plan.micro_batches} micro-batch(es) of {plan.micro_batch_size} sequences per replica, "
+                 f"{plan.tokens_per_step:,} tokens per optimizer step")
+        lines.insert(len(lines) - 1, batch)  # before the mesh
+    if plan.tp_plan:
+        lines.append("tp plan: " + ", ".join(f"{k} (x{n})" for k, n in plan.tp_plan.items()))
+    if plan.share is not None:
+        lines.append(f"holds: {plan.share.describe()}")
+    if plan.stages is not None:
+        s = plan.stages
+        lines.append(f"stages: blocks of {s.blocks_path} (first also {', '.join(s.pre) or '-'}; last also {', '.join(s.post) or '-'})")
+        for stage, blocks in enumerate(s.stage_blocks):
+            lines.append(f"  stage {stage} (pp rank {s.rank_of_stage(stage)}): blocks {_blocks(tuple(blocks))}")
+    if plan.memory_left_out is not None:
+        lines.append(f"memory per device: not estimated: {plan.memory_left_out}")
+    if plan.memory:
+        peak = max(plan.memory, key=lambda m: m.total_bytes)
+        unit, size = ("GiB", 1024**3) if peak.total_bytes >= 1024**3 else ("MiB", 1024**2)
+        lines.append(f"memory per device, {unit} (estimate: see lightning_parallel/planner/estimate.py):")
+        lines.append("  pp rank  params(M)   params    grads  optimizer  activations(in flight)   total")
+        for m in plan.memory:
+            lines.append(
+                f"  {m.stage:>7}  {m.params / 1e6:>9.1f}  {m.param_bytes / size:>7.2f}  {m.grad_bytes / size:>7.2f}"
+                f"  {m.optimizer_bytes / size:>9.2f}  {m.activation_bytes / size:>11.2f} ({m.in_flight:>2})"
+                f"          {m.total_bytes / size:>6.2f}"
+            )
+        lines.append(f"peak per device: {peak.total_bytes / size:.2f} {unit} (pp rank {peak.stage})")
+    return "\n".join(lines)
+
+
+def dry_run(cfg: DictConfig) -> LaunchPlan:
+    """Print the plan of `cfg` (what `lp-train dry_run=true` does); raises LaunchError."""
+    plan = check_launch(cfg)
+    print(format_plan(plan))
+    return plan
+
+
+def check_launch(cfg: DictConfig) -> LaunchPlan:
+    """`build_plan` for `lp-train`, whose refusals carry only fixes that pass as whole command lines."""
+    try:
+        return build_plan(cfg)
+    except LightningParallelError as err:
+        if not HydraConfig.initialized():
+            raise
+        overrides = list(HydraConfig.get().overrides.task)
+        raise type(err)(explain_failure(err, "lp-train", overrides, cfg)) from None
+
+
+# ---- lp-plan --search -------------------------------------------------------------------------
