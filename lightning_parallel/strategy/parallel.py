@@ -104,7 +104,7 @@ from lightning_parallel.strategy.materialize import (
 )
 from lightning_parallel.strategy.metric_sync import sync_metrics_per_replica
 from lightning_parallel.strategy.requeue import DeferredRequeue
-from lightning_parallel.strategy.summary import count_parameters, report_whole_model
+from lightning_parallel.strategy.summary import parameters_per_module, report_whole_model
 from lightning_parallel.tensor_parallel import parallelize
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -360,7 +360,7 @@ class ParallelStrategy(_LightningParallelStrategy):
                     validate_launch(self.options, self.num_nodes, self.num_processes, model=module,
                                     automatic_optimization=module.automatic_optimization,
                                     loss_scaler=getattr(self.precision_plugin, "scaler", None) is not None)
-            self._unsplit_counts = count_parameters(module)
+            self._unsplit_counts = parameters_per_module(module)
             self._split(module)
         if self.is_model_split:  # Lightning's summary would count rank 0's shard of its stage
             report_whole_model(trainer.callbacks, self._unsplit_counts)

@@ -17,7 +17,7 @@ from torch import nn
 from lightning_parallel.compat import replace_summary
 
 
-def count_parameters(module: nn.Module) -> dict[str, tuple[int, int]]:
+def parameters_per_module(module: nn.Module) -> dict[str, tuple[int, int]]:
     """``name -> (parameters, trainable parameters)`` of every submodule (``""`` is the whole model),
     each shared parameter counted once per module; works on the meta device."""
     counts = {}
