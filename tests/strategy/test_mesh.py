@@ -15,7 +15,7 @@ from tests.helpers.processes import run_distributed
 def test_tp_varies_fastest_then_dp_then_pp():
     mesh = ParallelMesh(8, tensor_parallel=2, pipeline_parallel=2)
     assert mesh.dp_size == 2
-    assert [tuple(vars(mesh.coords(r)).values()) for r in range(8)] == [
+    assert [(c.pp, c.dp, c.tp) for c in map(mesh.coords, range(8))] == [
         (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1),
     ]
     assert mesh.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]

@@ -1,0 +1,1 @@
+"""Context parallelism: each sequence of a replica's batch split over ``context_parallel`` ranks."""
