@@ -1,0 +1,93 @@
+"""Context parallelism through Lightning: an unchanged LightningModule around a Hugging Face Llama
+trains, step by step, to the losses and parameters of one device, at CP2 and DP2 x CP2.
+
+Tolerance: float32 on CPU. Ring attention merges key blocks by their log-sum-exp and the gradients
+of the split blocks are summed over the CP ranks, which reorders sums (~1e-7 relative per op);
+losses are compared at 1e-5 and parameters at 1e-4 after AdamW steps of lr 1e-2 (every element moves
+by about lr per step, so a missing block of attention or a gradient off by the CP factor is off by
+~1e-2, a hundred times the tolerance).
+"""
+
+import os
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import TensorDataset
+
+from lightning_parallel.strategy import ParallelStrategy
+from tests.helpers.parity import assert_close_series, assert_params_close, fit_and_record, mean_over_ranks
+
+SEQ, VOCAB, STEPS = 16, 64, 3
+LOSS_TOL = dict(atol=1e-5, rtol=1e-5)
+PARAM_TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+class LlamaLM(L.LightningModule):
+    """A user's module: a tiny Hugging Face Llama (grouped KV heads, rotary positions), loss on all tokens."""
+
+    def __init__(self, attention: str = "sdpa") -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                             num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=4 * SEQ)
+        config._attn_implementation = attention
+        self.model = LlamaForCausalLM(config)
+
+    def training_step(self, batch, batch_idx):
+        tokens = batch[0] if isinstance(batch, (tuple, list)) else batch
+        loss = self.model(input_ids=tokens, labels=tokens).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, eps=1e-6)
+
+
+class AttentionLengths(Callback):
+    """Saves, per rank, the sequence lengths the first block's attention saw in training."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir, self.lengths = out_dir, []
+
+    def on_train_start(self, trainer, pl_module):
+        attention = pl_module.model.model.layers[0].self_attn
+        attention.register_forward_pre_hook(lambda m, args, kwargs: self.lengths.append(kwargs["hidden_states"].shape[1]),
+                                            with_kwargs=True)
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(self.lengths, os.path.join(self.out_dir, f"lengths{trainer.global_rank}.pt"))
+
+
+def tokens(samples: int = 8, length: int = SEQ) -> TensorDataset:
+    return TensorDataset(torch.randint(0, VOCAB, (samples, length), generator=torch.Generator().manual_seed(1)))
+
+
+def assert_matches_one_device(tmp_path, dp: int, cp: int, **strategy) -> list[dict]:
+    L.seed_everything(0)
+    module, data = LlamaLM(), tokens()
+    expected = fit_and_record(module, data, 2 * dp, str(tmp_path / "one"), max_steps=STEPS, emulate_replicas=dp)[0]
+    out = tmp_path / "cp"
+    got = fit_and_record(module, data, 2, str(out), devices=dp * cp, max_steps=STEPS,
+                         strategy=ParallelStrategy(context_parallel=cp, start_method="fork", **strategy),
+                         callbacks=[AttentionLengths(str(out))])
+    # each replica's loss is over its own samples; the CP ranks of a replica (consecutive ranks) agree on it
+    assert_close_series(mean_over_ranks(got), expected["losses"], **LOSS_TOL)
+    for rank, record in enumerate(got):
+        assert torch.load(out / f"lengths{rank}.pt") == [SEQ // cp] * STEPS  # each rank attended its part
+        assert record["losses"] == got[rank - rank % cp]["losses"]
+        assert_params_close(record["params"], expected["params"], **PARAM_TOL)
+        assert record["params"].keys() == expected["params"].keys()
+    return got
+
+
+@pytest.mark.timeout(120)
+def test_cp2_hf_llama_matches_single_device(tmp_path):
+    assert_matches_one_device(tmp_path, dp=1, cp=2)
+
+
+@pytest.mark.timeout(120)
+def test_dp2_cp2_hf_llama_matches_single_device(tmp_path):
+    assert_matches_one_device(tmp_path, dp=2, cp=2)
