@@ -17,7 +17,13 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import TensorDataset
 
 from lightning_parallel.strategy import ParallelStrategy
-from tests.helpers.parity import assert_close_series, assert_params_close, fit_and_record, mean_over_ranks
+from tests.helpers.parity import (
+    assert_close_series,
+    assert_params_close,
+    fit_and_record,
+    full_parameters,
+    mean_over_ranks,
+)
 
 SEQ, VOCAB, STEPS = 16, 64, 3
 LOSS_TOL = dict(atol=1e-5, rtol=1e-5)
@@ -61,26 +67,37 @@ class AttentionLengths(Callback):
         torch.save(self.lengths, os.path.join(self.out_dir, f"lengths{trainer.global_rank}.pt"))
 
 
+class FullParameters(Callback):
+    """Saves, per rank, every parameter as one device holds it (tensor-parallel shards gathered)."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer, pl_module):
+        params = full_parameters(pl_module, trainer.strategy.mesh)
+        torch.save(params, os.path.join(self.out_dir, f"full{trainer.global_rank}.pt"))
+
+
 def tokens(samples: int = 8, length: int = SEQ) -> TensorDataset:
     return TensorDataset(torch.randint(0, VOCAB, (samples, length), generator=torch.Generator().manual_seed(1)))
 
 
-def assert_matches_one_device(tmp_path, dp: int, cp: int, **strategy) -> list[dict]:
+def assert_matches_one_device(tmp_path, dp: int, cp: int, tp: int = 1) -> None:
     L.seed_everything(0)
     module, data = LlamaLM(), tokens()
     expected = fit_and_record(module, data, 2 * dp, str(tmp_path / "one"), max_steps=STEPS, emulate_replicas=dp)[0]
     out = tmp_path / "cp"
-    got = fit_and_record(module, data, 2, str(out), devices=dp * cp, max_steps=STEPS,
-                         strategy=ParallelStrategy(context_parallel=cp, start_method="fork", **strategy),
-                         callbacks=[AttentionLengths(str(out))])
-    # each replica's loss is over its own samples; the CP ranks of a replica (consecutive ranks) agree on it
+    got = fit_and_record(module, data, 2, str(out), devices=dp * cp * tp, max_steps=STEPS,
+                         strategy=ParallelStrategy(context_parallel=cp, tensor_parallel=tp, start_method="fork"),
+                         callbacks=[AttentionLengths(str(out)), FullParameters(str(out))])
+    # each replica's loss is over its own samples; its CP and TP ranks (consecutive ranks) agree on it
     assert_close_series(mean_over_ranks(got), expected["losses"], **LOSS_TOL)
     for rank, record in enumerate(got):
         assert torch.load(out / f"lengths{rank}.pt") == [SEQ // cp] * STEPS  # each rank attended its part
-        assert record["losses"] == got[rank - rank % cp]["losses"]
-        assert_params_close(record["params"], expected["params"], **PARAM_TOL)
-        assert record["params"].keys() == expected["params"].keys()
-    return got
+        assert record["losses"] == got[rank - rank % (cp * tp)]["losses"]
+        params = torch.load(out / f"full{rank}.pt")
+        assert params.keys() == expected["params"].keys()
+        assert_params_close(params, expected["params"], **PARAM_TOL)
 
 
 @pytest.mark.timeout(120)
@@ -91,3 +108,9 @@ def test_cp2_hf_llama_matches_single_device(tmp_path):
 @pytest.mark.timeout(120)
 def test_dp2_cp2_hf_llama_matches_single_device(tmp_path):
     assert_matches_one_device(tmp_path, dp=2, cp=2)
+
+
+@pytest.mark.timeout(120)
+def test_tp2_cp2_hf_llama_matches_single_device(tmp_path):
+    # heads split over the TP ranks, the sequence over the CP ranks: each rank rings its own heads
+    assert_matches_one_device(tmp_path, dp=1, cp=2, tp=2)
