@@ -2,9 +2,14 @@
 
 Unchanged attention code (Hugging Face's ``sdpa`` attention, nanoGPT-style modules, torch's
 ``nn.MultiheadAttention``) calls ``torch.nn.functional.scaled_dot_product_attention`` on the
-queries, keys and values of the tokens this rank holds. ``AttentionInterceptor``, a
-``TorchFunctionMode``, sees every such call while the sequence is split and sends it to
-``ring_attention`` with the same meaning as on one device:
+queries, keys and values of the tokens this rank holds. ``AttentionInterceptor`` puts a function in
+its place while the sequence is split, which sends each call to ``ring_attention`` with the same
+meaning as on one device. A replaced module attribute rather than a ``TorchFunctionMode``: a mode is
+handed ``F.multi_head_attention_forward`` whole and runs it with the mode off, so the attention call
+inside ``nn.MultiheadAttention`` would escape it (torch's experimental ``context_parallel`` offers
+both ways for the same reason). Code that imported the function under its own name before (``from
+torch.nn.functional import scaled_dot_product_attention``) keeps the original; the setup check then
+sees no attention in its blocks and refuses it (``ContextParallel.checking``). The calls:
 
 * ``is_causal=True``, or an explicit mask that is the causal mask (boolean, or additive with 0 and
   -inf / the dtype's minimum): causal ring attention;
@@ -19,17 +24,18 @@ that are not this rank's tokens.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
 
 from lightning_parallel.context_parallel.comm import Ring
 from lightning_parallel.context_parallel.ring import ring_attention
 from lightning_parallel.errors import IncompatibleModelError
 
+_SDPA = F.scaled_dot_product_attention  # torch's own, for the calls that stay as they are
 _WHAT_WORKS = ("context_parallel supports causal attention (is_causal=True, or a mask that is the causal mask) "
                "and bidirectional attention without a mask")
 
@@ -74,7 +80,7 @@ def attend(length: int, size: int, ring: Optional[Ring], query: Tensor, key: Ten
     if key.shape[-2] == length:  # an unsplit sequence, e.g. an encoder's output for cross-attention
         if attn_mask is not None or is_causal:
             raise AttentionError(f"a masked attention on the keys of a whole, unsplit sequence; {_WHAT_WORKS}")
-        return F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=enable_gqa)
+        return _SDPA(query, key, value, scale=scale, enable_gqa=enable_gqa)
     if key.shape[-2] != local:
         raise AttentionError(
             f"an attention inside the split blocks has {key.shape[-2]} keys for {local} queries; {_WHAT_WORKS}")
@@ -87,22 +93,25 @@ def attend(length: int, size: int, ring: Optional[Ring], query: Tensor, key: Ten
                 "into sequences of one length, pass no attention_mask), or without context_parallel")
         is_causal = True
     if ring is None:
-        return F.scaled_dot_product_attention(query, key, value, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        return _SDPA(query, key, value, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     return ring_attention(query, key, value, is_causal, scale, ring)
 
 
-class AttentionInterceptor(TorchFunctionMode):
-    """While active, a ``scaled_dot_product_attention`` call goes to ``route()``'s function (``attend`` with
-    the split's sizes) when it returns one, and runs as it is when it returns None."""
+class AttentionInterceptor:
+    """While entered, ``torch.nn.functional.scaled_dot_product_attention`` calls go to ``route()``'s function
+    (``attend`` with the split's sizes) when it returns one, and to torch's own when it returns None."""
 
     def __init__(self, route: Callable[[], Optional[Callable[..., Tensor]]]):
-        super().__init__()
         self.route = route
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
+    def __enter__(self) -> "AttentionInterceptor":
+        @functools.wraps(_SDPA)
+        def scaled_dot_product_attention(*args, **kwargs):
             attention = self.route()
-            if attention is not None:
-                return attention(*args, **kwargs)
-        return func(*args, **kwargs)
+            return (attention or _SDPA)(*args, **kwargs)
+
+        F.scaled_dot_product_attention = scaled_dot_product_attention
+        return self
+
+    def __exit__(self, *exc) -> None:
+        F.scaled_dot_product_attention = _SDPA
