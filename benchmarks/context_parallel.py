@@ -186,7 +186,8 @@ def main() -> None:
     exchanges = ("ring", "allgather") if args.compare else ("ring",)
     print(f"Llama, {args.layers} blocks, hidden 256, batch 1; activation memory per rank (MiB) saved for backward",
           flush=True)
-    print(f"{'tokens':>7} {'cp':>3} {'exchange':>9} {'blocks':>8} {'total':>8} {'blocks x cp':>11} {'step s':>7} {'loss':>8}")
+    print(f"{'tokens':>7} {'cp':>3} {'exchange':>9} {'blocks':>8} {'total':>8} {'blocks x cp':>11} {'step s':>7} "
+          f"{'loss':>8}")
     for length in args.lengths:
         base = None
         for cp in args.sizes:

@@ -20,9 +20,16 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_parallel.context_parallel.chunks import RingBlock, ring_block, ring_source
+from lightning_parallel.context_parallel.chunks import (
+    RingBlock,
+    ring_block,
+    ring_source,
+)
 from lightning_parallel.context_parallel.comm import Ring
-from lightning_parallel.context_parallel.kernels import block_attention, block_attention_backward
+from lightning_parallel.context_parallel.kernels import (
+    block_attention,
+    block_attention_backward,
+)
 
 _KV, _GRAD = 0, 1  # message tags: keys and values, their gradients
 
@@ -52,14 +59,14 @@ class _RingAttention(torch.autograd.Function):
             arriving = ring.shift(kv, _KV) if step + 1 < ring.size else None
             block = _block(ring.rank, step, ring.size, causal)
             rows, cols = _rows(block, length), _cols(block, length)
-            o, l = block_attention(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], block.causal, scale,
-                                   fused)
+            o, o_lse = block_attention(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], block.causal,
+                                       scale, fused)
             if out is None:  # step 0 covers every row
-                out, lse = o.float(), l
-            else:
-                merged = torch.logaddexp(lse[..., rows], l)
+                out, lse = o.float(), o_lse
+            else:  # softmax over both: each part weighted by its share of the rows' exp-sum
+                merged = torch.logaddexp(lse[..., rows], o_lse)
                 out[..., rows, :] = (out[..., rows, :] * (lse[..., rows] - merged).exp().unsqueeze(-1)
-                                     + o.float() * (l - merged).exp().unsqueeze(-1))
+                                     + o.float() * (o_lse - merged).exp().unsqueeze(-1))
                 lse[..., rows] = merged
             if arriving is not None:
                 kv = arriving()

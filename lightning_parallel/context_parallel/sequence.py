@@ -25,7 +25,6 @@ import inspect
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
-import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
@@ -63,7 +62,8 @@ class ContextParallel:
         self._block = 0
         self._names = [_positional_names(b) for b in self.blocks]
         self._shards: dict[int, tuple[Any, Any]] = {}  # id(side input) -> (it, its shard), for this step
-        self._handles = [b.register_forward_pre_hook(self._inputs(i), with_kwargs=True) for i, b in enumerate(self.blocks)]
+        self._handles = [block.register_forward_pre_hook(self._inputs(i), with_kwargs=True)
+                         for i, block in enumerate(self.blocks)]
         self._handles.append(self.blocks[-1].register_forward_hook(self._gather))
         self.local = False  # checking without communication: attention within the local tokens, no gather
         self._interceptor = AttentionInterceptor(self._route)

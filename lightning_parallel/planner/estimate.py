@@ -197,7 +197,8 @@ def estimate_memory(
         if dims is not None:
             # each in-flight unit is one (virtual) stage's blocks for one micro-batch
             deepest = max(len(stages.stage_blocks[s]) for s in rank_stages)
-            per_layer = layer_activation_bytes(dims, seq, micro_batch, tp, sequence_parallel, a_bytes) / context_parallel
+            per_layer = (layer_activation_bytes(dims, seq, micro_batch, tp, sequence_parallel, a_bytes)
+                         / context_parallel)
             if recompute:
                 layer_input = (seq * micro_batch * dims.hidden * a_bytes / (tp if sequence_parallel else 1)
                                / context_parallel)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 
-from lightning_parallel.context_parallel.sequence import ContextParallel
+from lightning_parallel.context_parallel import ContextParallel
 from lightning_parallel.errors import IncompatibleModelError, LightningParallelError
 from lightning_parallel.pipeline.example import first_batch
 from lightning_parallel.pipeline.isolation import untouched

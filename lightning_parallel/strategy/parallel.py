@@ -60,7 +60,6 @@ from lightning_parallel.checks.verify_split import (
     check_split_against_whole,
     prepare_split_check,
 )
-from lightning_parallel.context_parallel.sequence import ContextParallel
 from lightning_parallel.compat import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -72,6 +71,7 @@ from lightning_parallel.compat import (
     module_hidden_from_teardown,
     set_skip_backward,
 )
+from lightning_parallel.context_parallel import ContextParallel
 from lightning_parallel.data_parallel import GradientSynchronizer
 from lightning_parallel.data_parallel.buffers import BufferBroadcast
 from lightning_parallel.data_parallel.zero import ZeroOneSharding
@@ -170,7 +170,8 @@ class ParallelStrategy(_LightningParallelStrategy):
             raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}")
         self.options = ParallelOptions(
             tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, data_parallel=data_parallel,
-            context_parallel=context_parallel, micro_batches=micro_batches, schedule=schedule, virtual_stages=virtual_stages,
+            context_parallel=context_parallel, micro_batches=micro_batches, schedule=schedule,
+            virtual_stages=virtual_stages,
             sequence_parallel=sequence_parallel, tp_plan=tp_plan, pipeline_blocks=pipeline_blocks,
             pipeline_layout=pipeline_layout, bucket_size_mb=bucket_size_mb, zero_stage=zero_stage,
             broadcast_buffers=broadcast_buffers, verify_split=verify_split,

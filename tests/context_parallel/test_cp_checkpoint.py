@@ -7,12 +7,15 @@ order (~1e-7 relative); a lost optimizer state or a wrong parameter is off by ab
 
 import lightning as L
 import pytest
-import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_parallel.strategy import ParallelStrategy
 from tests.context_parallel.test_cp_training import LOSS_TOL, PARAM_TOL, LlamaLM, tokens
-from tests.helpers.parity import assert_close_series, assert_params_close, fit_and_record
+from tests.helpers.parity import (
+    assert_close_series,
+    assert_params_close,
+    fit_and_record,
+)
 
 EPOCH = 2  # steps per epoch: the checkpoint is taken at an epoch's end, where the sampler restarts
 

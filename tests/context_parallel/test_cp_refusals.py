@@ -116,7 +116,8 @@ class HandWrittenLM(L.LightningModule):
 def test_attention_that_does_not_call_sdpa_is_refused_at_setup_on_every_rank(tmp_path):
     messages = refused_messages(HandWrittenLM(), torch.randint(0, VOCAB, (4, 16)), tmp_path)
     assert messages[0] == messages[1]
-    assert "block(s) [0, 1] of blocks ran without calling torch.nn.functional.scaled_dot_product_attention" in messages[0]
+    assert ("block(s) [0, 1] of blocks ran without calling torch.nn.functional.scaled_dot_product_attention"
+            in messages[0])
 
 
 def test_hugging_face_eager_attention_is_refused_before_the_processes_start():

@@ -19,7 +19,6 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from lightning_parallel.models.gpt import GPT
-
 from lightning_parallel.strategy import ParallelStrategy
 from tests.helpers.parity import (
     assert_close_series,

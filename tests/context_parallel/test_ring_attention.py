@@ -12,7 +12,10 @@ import torch.nn.functional as F
 
 from lightning_parallel.context_parallel.chunks import shard
 from lightning_parallel.context_parallel.comm import Ring
-from lightning_parallel.context_parallel.kernels import block_attention, block_attention_backward
+from lightning_parallel.context_parallel.kernels import (
+    block_attention,
+    block_attention_backward,
+)
 from lightning_parallel.context_parallel.ring import ring_attention
 from tests.helpers.processes import make_mesh, run_distributed
 

@@ -51,7 +51,8 @@ def test_zero_shards_the_optimizer_over_dp_and_cp_ranks():
 
     def optimizer_bytes(zero: bool) -> float:
         fixed = Constraints(tp=1, dp=2, cp=2, zero=zero, recompute=(False,))
-        return search(model, cluster(devices=4, memory=float("inf")), work, fixed).best.candidate.memory[0].optimizer_bytes
+        best = search(model, cluster(devices=4, memory=float("inf")), work, fixed).best
+        return best.candidate.memory[0].optimizer_bytes
 
     assert optimizer_bytes(True) == pytest.approx(optimizer_bytes(False) / 4)
 
