@@ -101,7 +101,7 @@ def allgather_attention(q, k, v, causal, scale, ring, fused=None):
 def measure(rank: int, world: int, length: int, layers: int, repeats: int, exchange: str) -> dict:
     model = build(layers)
     blocks = model.model.layers
-    context = ContextParallel(model, dist.group.WORLD) if world > 1 else None
+    context = ContextParallel(blocks, dist.group.WORLD) if world > 1 else None
     if exchange == "allgather":
         cp_attention.ring_attention = allgather_attention
     tokens = torch.randint(0, 512, (1, length), generator=torch.Generator().manual_seed(1))

@@ -8,7 +8,7 @@ inputs the blocks receive (Hugging Face's ``position_embeddings`` cos/sin, ``pos
 one device. Inside the blocks, attention goes round the ring (``attention.py``); everything else in
 a block acts token by token. A forward hook on the last block gathers the whole sequence back
 (``comm.gather_sequence``), so the model's head and the user's loss see it whole. The block list is
-the one the pipeline splits (``pipeline.partition.find_blocks``, or the ``pipeline_blocks`` path).
+given (the strategy passes the one the pipeline would split: ``pipeline.partition.find_blocks``).
 
 The hooks act only inside ``ContextParallel.active()``, which the strategy enters around each step
 and backward; elsewhere (a user's own forward outside the loops) the model runs whole on each rank.
@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import inspect
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -33,7 +33,6 @@ from lightning_parallel.context_parallel.attention import AttentionInterceptor, 
 from lightning_parallel.context_parallel.chunks import check_length, shard
 from lightning_parallel.context_parallel.comm import Ring, gather_sequence
 from lightning_parallel.errors import IncompatibleModelError
-from lightning_parallel.pipeline.partition import find_blocks
 
 # side inputs of a block that hold one entry per token: split like the hidden state
 PER_TOKEN = frozenset({"position_embeddings", "position_ids", "cache_position", "cos", "sin", "freqs_cis",
@@ -43,18 +42,18 @@ WHOLE = frozenset({"memory", "encoder_hidden_states", "encoder_attention_mask"})
 
 
 class ContextParallel:
-    """Context parallelism on ``module``'s repeated blocks over ``group`` (hooks; no module is changed).
+    """Context parallelism on a model's repeated blocks over ``group`` (hooks; no module is changed).
 
     Args:
-        module: the model (a LightningModule or any module holding the blocks).
+        blocks: the model's repeated blocks, in the order they run (the sequence is split at the first
+            and gathered after the last).
         group: the CP process group; rank ``i`` of it holds chunks ``i`` and ``2N - 1 - i``.
-        blocks_path: dotted path of the block list; None finds the largest list of same-type modules.
+        blocks_path: the blocks' dotted path in the model, for messages.
     """
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup, blocks_path: Optional[str] = None):
+    def __init__(self, blocks: Sequence[nn.Module], group: dist.ProcessGroup, blocks_path: str = "the blocks"):
         self.ring = Ring(group)
-        self.blocks_path, blocks = find_blocks(module, blocks_path)
-        self.blocks = list(blocks)
+        self.blocks_path, self.blocks = blocks_path, list(blocks)
         self.length: Optional[int] = None  # the whole sequence's length in the current step
         self.enabled = False  # inside a step or backward of the strategy
         self.inside = False  # between the first block's input and the last block's output

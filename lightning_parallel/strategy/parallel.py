@@ -8,7 +8,7 @@ The strategy owns the process mesh and composes the parts in a fixed order at se
 2. tensor parallelism shards the modules named by a plan (``tensor_parallel/``);
 3. pipeline parallelism keeps only this rank's stage (``pipeline/``);
 4. context parallelism hooks the model's blocks to split each sequence over the CP ranks
-   (``context_parallel/``), checked on the first batch (``context_check.py``);
+   (``context_parallel/``), checked on the first batch (``checks/sequence_split.py``);
 5. the optimizers are created from what is left, and data parallelism hooks the local parameters
    (``data_parallel/``), averaging gradients over the DP and CP ranks together.
 
@@ -48,6 +48,7 @@ from lightning_parallel.checkpoint.atomic import remove_checkpoint_dir, save_fil
 from lightning_parallel.checkpoint.hf_models import RECORD_KEY as HF_RECORD_KEY
 from lightning_parallel.checkpoint.hf_models import describe as describe_hf_models
 from lightning_parallel.checks.launch import validate_launch
+from lightning_parallel.checks.sequence_split import refuse_unsplittable_sequence
 from lightning_parallel.checks.share import Share, measured_share
 from lightning_parallel.checks.split_values import (
     refuse_failing_split,
@@ -84,10 +85,10 @@ from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline import PipelineEngine
 from lightning_parallel.pipeline.example import first_batch
+from lightning_parallel.pipeline.partition import find_blocks
 from lightning_parallel.planner import SearchResult
 from lightning_parallel.planner.auto import choose_for
 from lightning_parallel.strategy.clipping import clip_grads_by_global_norm
-from lightning_parallel.strategy.context_check import refuse_unsplittable_sequence
 from lightning_parallel.strategy.gradients import (
     GradientFinalizer,
     shared_across_stages,
@@ -108,7 +109,10 @@ from lightning_parallel.strategy.materialize import (
 )
 from lightning_parallel.strategy.metric_sync import sync_metrics_per_replica
 from lightning_parallel.strategy.requeue import DeferredRequeue
-from lightning_parallel.strategy.summary import parameters_per_module, report_whole_model
+from lightning_parallel.strategy.summary import (
+    parameters_per_module,
+    report_whole_model,
+)
 from lightning_parallel.tensor_parallel import parallelize
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -370,7 +374,8 @@ class ParallelStrategy(_LightningParallelStrategy):
             self._unsplit_counts = parameters_per_module(module)
             self._split(module)
             if self.options.cp > 1:
-                self.context_parallel = ContextParallel(module, self.mesh.cp_group, self.options.pipeline_blocks)
+                path, blocks = find_blocks(module, self.options.pipeline_blocks)
+                self.context_parallel = ContextParallel(blocks, self.mesh.cp_group, path)
                 self._split_module = weakref.ref(module)
         if self.is_model_split:  # Lightning's summary would count rank 0's shard of its stage
             report_whole_model(trainer.callbacks, self._unsplit_counts)
@@ -408,8 +413,8 @@ class ParallelStrategy(_LightningParallelStrategy):
             self._tp_reference = None
         if self.context_parallel is not None:
             refuse_unsplittable_sequence(self, trainer, self.context_parallel)
-        if self.options.broadcast_buffers and self.mesh.dp_size > 1:  # after the probes, whose steps are no real ones
-            self.buffer_broadcast = BufferBroadcast(module, self.mesh.dp_group)
+        if self.options.broadcast_buffers and self.mesh.dp_cp_size > 1:  # after the probes, whose steps are no real ones
+            self.buffer_broadcast = BufferBroadcast(module, self.mesh.dp_cp_group)
 
     def _apply_layer_sync(self, model: Any) -> Any:
         """``Trainer(sync_batchnorm=True)``: BatchNorm statistics over the data-parallel replicas only.
