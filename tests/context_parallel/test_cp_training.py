@@ -125,15 +125,17 @@ MODELS = {
 }
 
 
-def assert_matches_one_device(tmp_path, dp: int, cp: int, tp: int = 1, model: str = "hf_llama") -> None:
+def assert_matches_one_device(tmp_path, dp: int, cp: int, tp: int = 1, model: str = "hf_llama",
+                              zero_stage: int = 0, **trainer) -> None:
     build, data = MODELS[model]
     L.seed_everything(0)
     module, data = build(), data()
-    expected = fit_and_record(module, data, 2 * dp, str(tmp_path / "one"), max_steps=STEPS, emulate_replicas=dp)[0]
+    expected = fit_and_record(module, data, 2 * dp, str(tmp_path / "one"), max_steps=STEPS, emulate_replicas=dp,
+                              **trainer)[0]
     out = tmp_path / "cp"
-    got = fit_and_record(module, data, 2, str(out), devices=dp * cp * tp, max_steps=STEPS,
-                         strategy=ParallelStrategy(context_parallel=cp, tensor_parallel=tp, start_method="fork"),
-                         callbacks=[AttentionLengths(str(out)), FullParameters(str(out))])
+    strategy = ParallelStrategy(context_parallel=cp, tensor_parallel=tp, zero_stage=zero_stage, start_method="fork")
+    got = fit_and_record(module, data, 2, str(out), devices=dp * cp * tp, max_steps=STEPS, strategy=strategy,
+                         callbacks=[AttentionLengths(str(out)), FullParameters(str(out))], **trainer)
     # each replica's loss is over its own samples; its CP and TP ranks (consecutive ranks) agree on it
     assert_close_series(mean_over_ranks(got), expected["losses"], **LOSS_TOL)
     for rank, record in enumerate(got):
@@ -160,3 +162,9 @@ def test_dp2_cp2_hf_llama_matches_single_device(tmp_path):
 def test_tp2_cp2_hf_llama_matches_single_device(tmp_path):
     # heads split over the TP ranks, the sequence over the CP ranks: each rank rings its own heads
     assert_matches_one_device(tmp_path, dp=1, cp=2, tp=2)
+
+
+@pytest.mark.timeout(120)
+def test_cp2_with_zero1_and_clipping_matches_single_device(tmp_path):
+    # ZeRO-1 shards the optimizer over the DP x CP ranks, and clipping takes the norm over their slices
+    assert_matches_one_device(tmp_path, dp=1, cp=2, zero_stage=1, gradient_clip_val=0.05)
