@@ -14,8 +14,9 @@ The hooks act only inside ``ContextParallel.active()``, which the strategy enter
 and backward; elsewhere (a user's own forward outside the loops) the model runs whole on each rank.
 During backward, a block that activation checkpointing recomputes is split again as it was, and its
 attention still goes round the ring; its output is not gathered again (the forward's gather is the
-one autograd uses). Blocks are assumed batch first, the sequence
-in dimension 1 (Hugging Face, nanoGPT, ``batch_first=True`` torch layers).
+one autograd uses). Blocks are assumed batch first, the sequence in dimension 1 (Hugging Face,
+nanoGPT, ``batch_first=True`` torch layers); a block that is not attends over the wrong dimension,
+which ``attention.attend`` refuses.
 """
 
 from __future__ import annotations
@@ -61,16 +62,11 @@ class ContextParallel:
         self._block = 0
         self._names = [_positional_names(b) for b in self.blocks]
         self._shards: dict[int, tuple[Any, Any]] = {}  # id(side input) -> (it, its shard), for this step
-        self._handles = [block.register_forward_pre_hook(self._inputs(i), with_kwargs=True)
-                         for i, block in enumerate(self.blocks)]
-        self._handles.append(self.blocks[-1].register_forward_hook(self._gather))
+        for i, block in enumerate(self.blocks):
+            block.register_forward_pre_hook(self._inputs(i), with_kwargs=True)
+        self.blocks[-1].register_forward_hook(self._gather)
         self.local = False  # checking without communication: attention within the local tokens, no gather
         self._interceptor = AttentionInterceptor(self._route)
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
 
     @contextmanager
     def active(self) -> Iterator[None]:
@@ -118,9 +114,9 @@ class ContextParallel:
             if index == 0:
                 hidden = self._split_hidden(args, kwargs)
                 args, kwargs = ((hidden, *args[1:]), kwargs) if args else (args, dict(kwargs, hidden_states=hidden))
-            length = self.length
-            names = self._names[index][1:len(args)]
-            args = args[:1] + tuple(self._side(name, value, length) for name, value in zip(names, args[1:]))
+            length, names = self.length, self._names[index]
+            args = args[:1] + tuple(self._side(names[i] if i < len(names) else f"argument {i}", value, length)
+                                    for i, value in enumerate(args[1:], 1))
             kwargs = {name: value if name == "hidden_states" else self._side(name, value, length)
                       for name, value in kwargs.items()}
             return args, kwargs
@@ -140,7 +136,7 @@ class ContextParallel:
         return shard(hidden, 1, self.ring.size, self.ring.rank)
 
     def _side(self, name: str, value: Any, length: int) -> Any:
-        """A side input of the first block: this rank's tokens of a per-token one, the rest as given."""
+        """A block's side input: this rank's tokens of a per-token one, the rest as given."""
         tensors = [value] if isinstance(value, Tensor) else (
             list(value) if isinstance(value, (tuple, list)) and all(isinstance(v, Tensor) for v in value) else [])
         if not tensors or "mask" in name or name in WHOLE:
@@ -192,4 +188,4 @@ def _positional_names(block: nn.Module) -> list[str]:
         if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
             break
         names.append(p.name)
-    return names + [f"argument {i}" for i in range(len(names), 64)]
+    return names

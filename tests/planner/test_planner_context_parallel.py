@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_parallel.cli.overrides import compose_config
 from lightning_parallel.cli.launch_plan import build_plan, format_plan
+from lightning_parallel.cli.overrides import compose_config
 from lightning_parallel.planner import Constraints, Workload, search
 from lightning_parallel.planner.space import enumerate_layouts
 from tests.planner.test_planner import GPU, cluster, meta_gpt, one
