@@ -127,6 +127,15 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def cpu_flash_attention() -> tuple[Callable, Callable]:
+    """torch's fused CPU attention kernel, the one ``scaled_dot_product_attention`` runs on CPU, as
+    ``(forward, backward)``: forward ``(q, k, v, dropout_p, is_causal, scale=)`` returns the output and the
+    log-sum-exp of each query's scores; backward ``(grad_out, q, k, v, out, lse, dropout_p, is_causal, scale=)``
+    returns the three input gradients. Grouped key/value heads are accepted as they are."""
+    aten = torch.ops.aten
+    return aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
 def packed_in_projection(attention: nn.MultiheadAttention) -> bool:
     """Whether ``nn.MultiheadAttention`` keeps one packed ``in_proj_weight`` (kdim = vdim = embed_dim)."""
     return attention._qkv_same_embed_dim

@@ -1,15 +1,20 @@
-"""The process mesh: world ranks laid out as ``(pp, dp, tp)`` coordinates, and their groups.
+"""The process mesh: world ranks laid out as ``(pp, dp, cp, tp)`` coordinates, and their groups.
 
 Tensor parallelism varies fastest, so a TP group is a run of consecutive global ranks and stays
-inside one node (Megatron-LM's ``tp-dp-pp`` order, Narayanan et al. 2021, arXiv 2104.04473 §3.3);
-data parallelism comes next and pipeline parallelism varies slowest::
+inside one node (Megatron-LM's ``tp-cp-dp-pp`` order, Narayanan et al. 2021, arXiv 2104.04473 §3.3);
+context parallelism (the sequence split over ranks, ``context_parallel/``) comes next, so its ring
+stays as close as TP allows, then data parallelism, and pipeline parallelism varies slowest::
 
-    rank = (pp_rank * dp_size + dp_rank) * tp_size + tp_rank
+    rank = ((pp_rank * dp_size + dp_rank) * cp_size + cp_rank) * tp_size + tp_rank
 
 The arithmetic is pure (no processes needed) and is what ``lp-plan`` prints. ``init_process_groups``
 turns it into a ``torch.distributed.device_mesh.DeviceMesh`` of shape ``(pp, dp, tp)`` with the dimension
-names ``("pp", "dp", "tp")``, so DTensor, FSDP2 (``fully_shard``) and ``torch.distributed.checkpoint``
-can work on the same groups; the TP, DP and PP groups the package uses are that mesh's dimension groups.
+names ``("pp", "dp", "tp")`` (``(pp, dp, cp, tp)`` and ``"cp"`` when the sequence is split), so DTensor,
+FSDP2 (``fully_shard``) and ``torch.distributed.checkpoint`` can work on the same groups; the TP, DP,
+CP and PP groups the package uses are that mesh's dimension groups. The parameters are replicated
+over the CP ranks of a replica as over its DP peers, so gradients are averaged over one more group,
+the DP and CP ranks together (``dp_cp_group``, Megatron-LM's data-parallel group "with context
+parallel").
 
 How the groups are created depends on the backend, so that a rank's cost does not grow with the world:
 
@@ -20,7 +25,7 @@ How the groups are created depends on the backend, so that a rank's cost does no
   makes every rank call ``new_group`` for every group of every dimension: ``W/tp + W/dp + W/pp`` calls,
   1,088 on each of 4,096 ranks for ``tp=8, pp=8``. Instead each rank creates only the three groups it
   is in (``new_group(..., use_local_synchronization=True)``) and wraps them with ``DeviceMesh.from_group``:
-  the same mesh, three calls whatever the world size.
+  the same mesh, three calls (four with CP, five with its DP x CP group) whatever the world size.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class MeshCoords:
     pp: int
     dp: int
     tp: int
+    cp: int = 0
 
 
 def _divisors(n: int) -> list[int]:
@@ -58,49 +64,56 @@ def _divisors(n: int) -> list[int]:
 
 @dataclass
 class ParallelMesh:
-    """Sizes and rank arithmetic of a ``pp x dp x tp`` layout.
+    """Sizes and rank arithmetic of a ``pp x dp x cp x tp`` layout.
 
     Args:
         world_size: number of processes.
         tensor_parallel: ranks that shard each layer (Megatron TP).
         pipeline_parallel: pipeline stages.
         data_parallel: model replicas; ``"auto"`` (or ``-1``) takes the ranks left over.
+        context_parallel: ranks that split each sequence of a replica's batch (``context_parallel/``).
     """
 
     world_size: int
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     data_parallel: Union[int, str] = "auto"
+    context_parallel: int = 1
     _device_mesh: Optional[DeviceMesh] = field(default=None, init=False, repr=False)
+    _dp_cp_group: Optional[dist.ProcessGroup] = field(default=None, init=False, repr=False)
     rank: Optional[int] = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        w, t, p = self.world_size, self.tensor_parallel, self.pipeline_parallel
-        for name, value in (("world size", w), ("tensor_parallel", t), ("pipeline_parallel", p)):
+        w, t, p, c = self.world_size, self.tensor_parallel, self.pipeline_parallel, self.context_parallel
+        for name, value in (("world size", w), ("tensor_parallel", t), ("pipeline_parallel", p),
+                            ("context_parallel", c)):
             if not isinstance(value, int) or value < 1:
                 raise MeshError(f"{name} must be a positive integer, got {value!r}")
+        cp = f" x context_parallel={c}" if c > 1 else ""
         if self.data_parallel in ("auto", -1, None):
-            if w % (t * p) != 0:
+            if w % (t * p * c) != 0:
                 raise MeshError(
-                    f"tensor_parallel={t} x pipeline_parallel={p} = {t * p} does not divide the world size {w}. "
-                    f"{self._suggestion()}"
+                    f"tensor_parallel={t} x pipeline_parallel={p}{cp} = {t * p * c} does not divide the world "
+                    f"size {w}. {self._suggestion()}"
                 )
-            self.data_parallel = w // (t * p)
+            self.data_parallel = w // (t * p * c)
         d = self.data_parallel
         if not isinstance(d, int) or d < 1:
             raise MeshError(f"data_parallel must be a positive integer or 'auto', got {d!r}")
-        if d * t * p != w:
+        if d * t * p * c != w:
             raise MeshError(
-                f"data_parallel={d} x tensor_parallel={t} x pipeline_parallel={p} = {d * t * p} processes, "
+                f"data_parallel={d} x tensor_parallel={t} x pipeline_parallel={p}{cp} = {d * t * p * c} processes, "
                 f"but the world size is {w}. {self._suggestion()}"
             )
 
     def _suggestion(self) -> str:
-        w = self.world_size
+        w, c = self.world_size, self.context_parallel
+        cp = f" cp={c}" if c > 1 else ""
         combos = [
-            f"tp={t} pp={p} dp={w // (t * p)}"
+            f"tp={t} pp={p}{cp} dp={w // (t * p * c)}"
             for t in _divisors(w)
             for p in _divisors(w // t)
+            if (w // (t * p)) % c == 0
         ]
         shown = ", ".join(combos[:12]) + (" ..." if len(combos) > 12 else "")
         return f"Layouts that fit {w} processes: {shown}; or set data_parallel='auto'."
@@ -118,57 +131,72 @@ class ParallelMesh:
     def dp_size(self) -> int:
         return int(self.data_parallel)
 
+    @property
+    def cp_size(self) -> int:
+        return self.context_parallel
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        """The mesh's dimension names, slowest first: ``("pp", "dp", "tp")``, with ``"cp"`` before
+        ``"tp"`` when the sequence is split."""
+        return ("pp", "dp", "cp", "tp") if self.cp_size > 1 else ("pp", "dp", "tp")
+
     # ---- pure rank arithmetic -----------------------------------------------------------------
     def coords(self, rank: int) -> MeshCoords:
         if not 0 <= rank < self.world_size:
             raise MeshError(f"rank {rank} is outside the world of {self.world_size} processes")
         tp = rank % self.tp_size
-        dp = (rank // self.tp_size) % self.dp_size
-        pp = rank // (self.tp_size * self.dp_size)
-        return MeshCoords(pp=pp, dp=dp, tp=tp)
+        cp = (rank // self.tp_size) % self.cp_size
+        dp = (rank // (self.tp_size * self.cp_size)) % self.dp_size
+        pp = rank // (self.tp_size * self.cp_size * self.dp_size)
+        return MeshCoords(pp=pp, dp=dp, tp=tp, cp=cp)
 
-    def rank_of(self, pp: int, dp: int, tp: int) -> int:
-        return (pp * self.dp_size + dp) * self.tp_size + tp
+    def rank_of(self, pp: int, dp: int, tp: int, cp: int = 0) -> int:
+        return ((pp * self.dp_size + dp) * self.cp_size + cp) * self.tp_size + tp
+
+    def _groups(self, kind: str) -> list[list[int]]:
+        """Every group of ``kind``: the ranks that share all other coordinates."""
+        firsts = [r for r in range(self.world_size) if getattr(self.coords(r), kind) == 0]
+        return [self.group_ranks(kind, r) for r in firsts]
 
     def tp_groups(self) -> list[list[int]]:
-        """All TP groups: ranks sharing (pp, dp), varying tp."""
-        return [
-            [self.rank_of(p, d, t) for t in range(self.tp_size)]
-            for p in range(self.pp_size)
-            for d in range(self.dp_size)
-        ]
+        """All TP groups: ranks sharing (pp, dp, cp), varying tp."""
+        return self._groups("tp")
 
     def dp_groups(self) -> list[list[int]]:
-        """All DP groups: ranks sharing (pp, tp), varying dp."""
-        return [
-            [self.rank_of(p, d, t) for d in range(self.dp_size)]
-            for p in range(self.pp_size)
-            for t in range(self.tp_size)
-        ]
+        """All DP groups: ranks sharing (pp, cp, tp), varying dp."""
+        return self._groups("dp")
+
+    def cp_groups(self) -> list[list[int]]:
+        """All CP groups: ranks sharing (pp, dp, tp), varying cp (sequence chunk order)."""
+        return self._groups("cp")
 
     def pp_groups(self) -> list[list[int]]:
-        """All pipeline groups: ranks sharing (dp, tp), varying pp (stage order)."""
-        return [
-            [self.rank_of(p, d, t) for p in range(self.pp_size)]
-            for d in range(self.dp_size)
-            for t in range(self.tp_size)
-        ]
+        """All pipeline groups: ranks sharing (dp, cp, tp), varying pp (stage order)."""
+        return self._groups("pp")
+
+    def dp_cp_groups(self) -> list[list[int]]:
+        """All groups over which gradients are averaged: ranks sharing (pp, tp), varying dp and cp."""
+        firsts = [r for r in range(self.world_size) if self.coords(r).dp == 0 and self.coords(r).cp == 0]
+        return [self.group_ranks("dp_cp", r) for r in firsts]
 
     def describe(self, devices_per_node: Optional[int] = None) -> str:
         """A human-readable table of every rank's coordinates (and node, when known)."""
-        lines = [f"mesh: pp={self.pp_size} x dp={self.dp_size} x tp={self.tp_size} = {self.world_size} processes"]
+        cp = f" x cp={self.cp_size}" if self.cp_size > 1 else ""
+        lines = [f"mesh: pp={self.pp_size} x dp={self.dp_size}{cp} x tp={self.tp_size} = {self.world_size} processes"]
         for r in range(self.world_size):
             c = self.coords(r)
             node = f" node {r // devices_per_node}" if devices_per_node else ""
-            lines.append(f"  rank {r:>4}: stage {c.pp} replica {c.dp} shard {c.tp}{node}")
-        for kind in ("tp", "dp", "pp"):
+            chunk = f" sequence part {c.cp}" if self.cp_size > 1 else ""
+            lines.append(f"  rank {r:>4}: stage {c.pp} replica {c.dp}{chunk} shard {c.tp}{node}")
+        for kind in ("tp", "cp", "dp", "pp") if self.cp_size > 1 else ("tp", "dp", "pp"):
             groups = getattr(self, f"{kind}_groups")()
             lines.append(f"  {kind} groups: " + " ".join(str(g) for g in groups))
         return "\n".join(lines)
 
     # ---- process groups -----------------------------------------------------------------------
     def init_process_groups(self, rank: int, device_type: str = "cpu") -> "ParallelMesh":
-        """Create this rank's TP, DP and PP groups and the ``DeviceMesh`` over them (every rank calls it).
+        """Create this rank's TP, DP, PP (and CP) groups and the ``DeviceMesh`` over them (every rank calls it).
 
         ``device_type`` is the DeviceMesh's device (``"cuda"`` for NCCL, ``"cpu"`` for gloo).
         """
@@ -178,26 +206,36 @@ class ParallelMesh:
                 f"{dist.get_world_size()}"
             )
         self.rank = rank
-        shape, names = (self.pp_size, self.dp_size, self.tp_size), ("pp", "dp", "tp")
+        names = self.dims
+        shape = tuple(getattr(self, f"{name}_size") for name in names)
         if splits_world_communicator():
             self._device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+            if self.cp_size > 1:
+                self._dp_cp_group = dist.split_group(split_ranks=self.dp_cp_groups())
             return self
         # the same order on every rank, so the groups' barriers cannot wait on each other
         groups = [self.subgroup(self.group_ranks(kind, rank)) for kind in names]
         layout = torch.arange(self.world_size).view(shape)
         self._device_mesh = DeviceMesh.from_group(groups, device_type, mesh=layout, mesh_dim_names=names)
+        if self.cp_size > 1:
+            self._dp_cp_group = self.subgroup(self.group_ranks("dp_cp", rank))
         return self
 
     def group_ranks(self, kind: str, rank: int) -> list[int]:
-        """The ranks of ``rank``'s ``kind`` group (``"tp"``, ``"dp"`` or ``"pp"``), in O(group size)."""
+        """The ranks of ``rank``'s ``kind`` group (``"tp"``, ``"dp"``, ``"cp"``, ``"pp"`` or ``"dp_cp"``),
+        in O(group size)."""
         c = self.coords(rank)
         if kind == "tp":
-            return [self.rank_of(c.pp, c.dp, t) for t in range(self.tp_size)]
+            return [self.rank_of(c.pp, c.dp, t, c.cp) for t in range(self.tp_size)]
         if kind == "dp":
-            return [self.rank_of(c.pp, d, c.tp) for d in range(self.dp_size)]
+            return [self.rank_of(c.pp, d, c.tp, c.cp) for d in range(self.dp_size)]
+        if kind == "cp":
+            return [self.rank_of(c.pp, c.dp, c.tp, k) for k in range(self.cp_size)]
         if kind == "pp":
-            return [self.rank_of(p, c.dp, c.tp) for p in range(self.pp_size)]
-        raise ValueError(f"unknown group kind {kind!r}; use 'tp', 'dp' or 'pp'")
+            return [self.rank_of(p, c.dp, c.tp, c.cp) for p in range(self.pp_size)]
+        if kind == "dp_cp":
+            return [self.rank_of(c.pp, d, c.tp, k) for d in range(self.dp_size) for k in range(self.cp_size)]
+        raise ValueError(f"unknown group kind {kind!r}; use 'tp', 'dp', 'cp', 'pp' or 'dp_cp'")
 
     @staticmethod
     def subgroup(ranks: Sequence[int]) -> dist.ProcessGroup:
@@ -257,6 +295,20 @@ class ParallelMesh:
         return self.device_mesh.get_group("pp")
 
     @property
+    def cp_group(self) -> dist.ProcessGroup:
+        """The ranks that split this rank's sequences (a mesh dimension only with ``context_parallel`` > 1)."""
+        return self.device_mesh.get_group("cp")
+
+    @property
+    def dp_cp_group(self) -> dist.ProcessGroup:
+        """The ranks gradients are averaged over: the DP group, times the CP group when the sequence is split."""
+        return self.dp_group if self.cp_size == 1 else self._dp_cp_group
+
+    @property
+    def dp_cp_size(self) -> int:
+        return self.dp_size * self.cp_size
+
+    @property
     def my_coords(self) -> MeshCoords:
         if self.rank is None:
             raise RuntimeError("ParallelMesh.init_process_groups() has not been called on this rank")
@@ -275,6 +327,10 @@ class ParallelMesh:
         return self.my_coords.pp
 
     @property
+    def cp_rank(self) -> int:
+        return self.my_coords.cp
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
@@ -285,7 +341,7 @@ class ParallelMesh:
     def stage_rank(self, stage: int) -> int:
         """Global rank of pipeline stage ``stage`` in this rank's pipeline."""
         c = self.my_coords
-        return self.rank_of(stage, c.dp, c.tp)
+        return self.rank_of(stage, c.dp, c.tp, c.cp)
 
     @property
     def pp_next_rank(self) -> Optional[int]:

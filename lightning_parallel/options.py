@@ -49,7 +49,12 @@ class ParallelOptions:
     """Pipeline stages. ``"auto"``: the planner chooses."""
 
     data_parallel: Union[int, str] = AUTO
-    """Model replicas; ``"auto"`` takes the processes left over after TP and PP."""
+    """Model replicas; ``"auto"`` takes the processes left over after TP, CP and PP."""
+
+    context_parallel: int = 1
+    """Ranks that split each sequence of a replica's batch, load-balanced for causal attention, with
+    ring attention between them (``context_parallel/``); the sequence length must divide by
+    ``2 * context_parallel``."""
 
     micro_batches: Optional[int] = None
     """Micro-batches per training batch under pipeline parallelism; None: one per stage."""
@@ -100,6 +105,10 @@ class ParallelOptions:
         set_(self, "pipeline_parallel", _size("pipeline_parallel", self.pipeline_parallel))
         set_(self, "data_parallel", AUTO if self.data_parallel in (None, -1) else _size("data_parallel",
                                                                                       self.data_parallel))
+        set_(self, "context_parallel", _size("context_parallel", self.context_parallel))
+        if self.context_parallel == AUTO:
+            raise ConfigurationError("context_parallel is not searched: give the number of ranks that split each "
+                                     "sequence (1 for none)")
         set_(self, "virtual_stages", _size("virtual_stages", self.virtual_stages))
         if self.micro_batches is not None:
             set_(self, "micro_batches", _size("micro_batches", self.micro_batches))
@@ -136,6 +145,10 @@ class ParallelOptions:
         return 1 if self.pipeline_parallel == AUTO else int(self.pipeline_parallel)
 
     @property
+    def cp(self) -> int:
+        return int(self.context_parallel)
+
+    @property
     def zero(self) -> int:
         return 0 if self.zero_stage == AUTO else int(self.zero_stage)
 
@@ -156,7 +169,8 @@ class ParallelOptions:
 
     @property
     def mesh_sizes(self) -> dict[str, Union[int, str]]:
-        return {"tensor_parallel": self.tp, "pipeline_parallel": self.pp, "data_parallel": self.data_parallel}
+        return {"tensor_parallel": self.tp, "pipeline_parallel": self.pp, "data_parallel": self.data_parallel,
+                "context_parallel": self.cp}
 
     def replace(self, **changes: Any) -> "ParallelOptions":
         """A copy with ``changes`` (validated again)."""

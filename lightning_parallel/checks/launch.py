@@ -4,11 +4,13 @@ Three kinds of mistakes, each refused with the settings that would fix it (``err
 
 1. the SLURM allocation (``--nodes``, ``--ntasks-per-node``) differs from the Trainer's
    ``num_nodes`` x ``devices``, or uses ``-n`` alone (Lightning needs ``--ntasks-per-node``);
-2. the layout's ``data x tensor x pipeline`` product is not the number of processes, or a tensor
-   parallel group would span two nodes (TP groups are runs of consecutive ranks, see mesh.py, and
-   need the fast intra-node links: Narayanan et al. 2021, arXiv 2104.04473 §3.3);
+2. the layout's ``data x tensor x pipeline x context`` product is not the number of processes, a
+   tensor parallel group would span two nodes (TP groups are runs of consecutive ranks, see mesh.py,
+   and need the fast intra-node links: Narayanan et al. 2021, arXiv 2104.04473 §3.3), or context
+   parallelism is combined with pipelining (not supported);
 3. the model cannot be split as asked: heads, hidden or vocabulary not divisible by the TP size,
-   a plan that names no module or an unknown style, or fewer blocks than pipeline stages;
+   a plan that names no module or an unknown style, fewer blocks than pipeline stages, no block list
+   or no ``sdpa`` attention to split the sequence over;
 4. the model trains in a way the pipeline cannot run: manual optimisation, or a loss scaler
    (precision ``16-mixed``).
 
@@ -92,17 +94,27 @@ def _layouts(world: int, devices_per_node: int) -> list[str]:
 
 def check_layout(options: ParallelOptions, num_nodes: int, devices_per_node: int) -> ParallelMesh:
     """The mesh of ``options``' sizes on ``num_nodes`` x ``devices_per_node`` processes; refuses a
-    product that does not match or a TP group that would span nodes."""
-    tp, pp, dp = options.tp, options.pp, options.data_parallel
+    product that does not match, a TP group that would span nodes, or context with pipeline parallelism."""
+    tp, pp, dp, cp = options.tp, options.pp, options.data_parallel, options.cp
     world = num_nodes * devices_per_node
+    if cp > 1 and pp > 1:
+        raise LaunchError(
+            f"context_parallel={cp} with pipeline_parallel={pp} is not supported: context parallelism splits the "
+            "sequence at the model's first block and gathers it after the last, which pipeline stages hold apart. "
+            "Context parallelism composes with data and tensor parallelism; split the model over tensor parallel "
+            "ranks, or pipeline without splitting the sequence:",
+            [Fix({"strategy.pipeline_parallel": 1}, f"keep context_parallel={cp}"),
+             Fix({"strategy.context_parallel": 1}, f"keep pipeline_parallel={pp}")])
+    split = tp * pp * cp
+    sizes = f"tensor_parallel={tp} x pipeline_parallel={pp}" + (f" x context_parallel={cp}" if cp > 1 else "")
     try:
-        mesh = ParallelMesh(world, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp)
+        mesh = ParallelMesh(world, tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp, context_parallel=cp)
     except MeshError:
         fixed_dp = isinstance(dp, int) and dp > 0
-        wanted = tp * pp * (dp if fixed_dp else 1)
+        wanted = split * (dp if fixed_dp else 1)
         lines = [
-            f"the layout tensor_parallel={tp} x pipeline_parallel={pp} x data_parallel={dp} "
-            + (f"needs {wanted} processes" if fixed_dp else f"needs a multiple of {tp * pp} processes")
+            f"the layout {sizes} x data_parallel={dp} "
+            + (f"needs {wanted} processes" if fixed_dp else f"needs a multiple of {split} processes")
             + f", but the allocation has {num_nodes} node(s) x {devices_per_node} = {world}."
         ]
         fixes = []
@@ -110,21 +122,21 @@ def check_layout(options: ParallelOptions, num_nodes: int, devices_per_node: int
                       else (1, wanted) if fixed_dp and wanted < devices_per_node else None)
         if allocation is not None:
             lines.append(f"Allocate for the layout:\n{_sbatch_lines(*allocation)}")
-            fixes.append(_allocation(*allocation, f"keep tp={tp} pp={pp}"))
-        if world % (tp * pp) == 0:  # data parallelism takes the rest
-            fixes.append(Fix({"strategy.data_parallel": world // (tp * pp)},
+            fixes.append(_allocation(*allocation, f"keep tp={tp} pp={pp}" + (f" cp={cp}" if cp > 1 else "")))
+        if world % split == 0:  # data parallelism takes the rest
+            fixes.append(Fix({"strategy.data_parallel": world // split},
                              f"keep {num_nodes} node(s) x {devices_per_node} devices"))
         lines.append(f"Layouts that fit {world} processes with TP inside a node: "
                      f"{', '.join(_layouts(world, devices_per_node)[:10])}" + (":" if fixes else ""))
         raise LaunchError("\n".join(lines), fixes) from None
     if devices_per_node % tp:
-        fitting = [t for t in divisors(devices_per_node) if world % (t * pp) == 0]
+        fitting = [t for t in divisors(devices_per_node) if world % (t * pp * cp) == 0]
         best = max(t for t in fitting if t <= tp)
         raise LaunchError(
             f"tensor_parallel={tp} does not divide the {devices_per_node} devices per node, so a tensor "
             f"parallel group would span two nodes (every layer all-reduces within it). Use a TP size that "
             f"divides {devices_per_node} ({', '.join(map(str, fitting))}), e.g.",
-            [Fix({"strategy.tensor_parallel": best, "strategy.data_parallel": world // (best * pp)})],
+            [Fix({"strategy.tensor_parallel": best, "strategy.data_parallel": world // (best * pp * cp)})],
         )
     return mesh
 

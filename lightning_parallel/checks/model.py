@@ -1,5 +1,6 @@
 """Model checks: can the model be split as asked (TP divisibility, a plan that names modules, enough
-pipeline blocks), and does it train in a way the pipeline can run. Pure; work on a meta-device model."""
+pipeline blocks, blocks and ``sdpa`` attention to split the sequence over), and does it train in a way
+the pipeline can run. Pure; work on a meta-device model."""
 
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ def check_model(model: nn.Module, mesh: ParallelMesh,
     model built on the meta device."""
     tp_plan, sequence_parallel, pipeline_blocks = options.tp_plan, options.sequence_parallel, options.pipeline_blocks
     virtual_stages, pipeline_layout = options.chunks, options.pipeline_layout
+    if mesh.cp_size > 1:
+        check_context_parallel(model, options)
     assignments: list[Assignment] = []
     if mesh.tp_size > 1:
         try:
@@ -86,6 +89,36 @@ def check_model(model: nn.Module, mesh: ParallelMesh,
                               ) from None
         raise LaunchError(f"{err}; or train without pipelining:", [Fix({"strategy.pipeline_parallel": 1})]) from None
     return assignments, plan
+
+
+def check_context_parallel(model: nn.Module, options: ParallelOptions) -> None:
+    """Refuse, before any process starts, what context parallelism visibly cannot split: no block list
+    to split the sequence at, Hugging Face attention other than ``sdpa`` (it would not go round the
+    ring), torch attention layers that are not batch first. What shows only when the model runs is
+    checked on the first batch at setup (``checks/sequence_split.py``)."""
+    cp = options.cp
+    try:
+        find_blocks(model, options.pipeline_blocks)
+    except (PipelineIncompatibleModel, PipelineConfigError) as err:
+        fixes = [Fix({"strategy.pipeline_blocks": path}) for path in block_lists(model, options.pipeline_blocks)][:3]
+        raise LaunchError(f"context_parallel={cp} splits the sequence at the model's first block and gathers it after "
+                          f"the last: {err}; name the block list, or train without context_parallel:",
+                          [*fixes, Fix({"strategy.context_parallel": 1})]) from None
+    for name, module in model.named_modules():
+        attention = getattr(getattr(module, "config", None), "_attn_implementation", None)
+        if attention is not None and attention != "sdpa":
+            raise LaunchError(
+                f"context_parallel={cp}: {name or type(model).__name__} computes attention with "
+                f"attn_implementation={attention!r}, which context parallelism cannot split: only "
+                "torch.nn.functional.scaled_dot_product_attention goes round the ring of ranks. Load or build the "
+                "model with attn_implementation='sdpa' (from_pretrained(..., attn_implementation='sdpa'), or "
+                "config._attn_implementation = 'sdpa'), or train without context_parallel:",
+                [Fix({"strategy.context_parallel": 1})])
+        if isinstance(module, nn.MultiheadAttention) and not module.batch_first:
+            raise LaunchError(
+                f"context_parallel={cp}: {name} is an nn.MultiheadAttention with batch_first=False; context "
+                "parallelism splits dimension 1 of the blocks' hidden state as the sequence. Build the layers with "
+                "batch_first=True, or train without context_parallel:", [Fix({"strategy.context_parallel": 1})])
 
 
 def _splits(stages, blocks: str) -> bool:

@@ -122,7 +122,7 @@ def build_plan(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> LaunchPl
         memory = estimate_memory(
             model, stages, tp_sharded_parameters(assignments), mesh.tp_size, seq, batch // micro_batches,
             micro_batches, options.schedule_name, options.sequence_parallel,
-            cfg.trainer.precision,
+            cfg.trainer.precision, context_parallel=mesh.cp_size,
         )
     accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1))
     return LaunchPlan(
@@ -198,18 +198,18 @@ def _candidate_fixes(cfg: DictConfig) -> list[Fix]:
     options = parallel_options(cfg)
     nodes, devices = int(cfg.trainer.num_nodes), int(cfg.trainer.devices)
     world = nodes * devices
-    tp, pp, dp = options.tp, options.pp, options.data_parallel
+    tp, pp, dp, cp = options.tp, options.pp, options.data_parallel, options.cp
     strategy = cfg.get("strategy") if isinstance(cfg.get("strategy"), DictConfig) else {}
     fixes = []
-    for t in _closest_first(divisors(devices), tp):  # keep the allocation, change the layout
-        for p in _closest_first(divisors(world // t), pp):
+    for t in _closest_first([t for t in divisors(devices) if world % (t * cp) == 0], tp):  # keep the allocation
+        for p in _closest_first(divisors(world // (t * cp)), pp) if cp == 1 else [1]:
             settings = {f"strategy.{name}": v for name, v, now in (("tensor_parallel", t, tp), ("pipeline_parallel", p, pp))
                         if v != now}
-            if "data_parallel" in strategy and (settings or str(dp) != str(world // (t * p))):
-                settings["strategy.data_parallel"] = world // (t * p)  # first: only the DP size changes
+            if "data_parallel" in strategy and (settings or str(dp) != str(world // (t * p * cp))):
+                settings["strategy.data_parallel"] = world // (t * p * cp)  # first: only the DP size changes
             if settings:
                 fixes.append(Fix(settings, f"keep {nodes} node(s) x {devices} devices"))
-    wanted = tp * pp * (int(dp) if str(dp).isdigit() else max(1, world // (tp * pp)))
+    wanted = tp * pp * cp * (int(dp) if str(dp).isdigit() else max(1, world // (tp * pp * cp)))
     per_node = [d for d in divisors(wanted) if d % tp == 0]  # keep the layout, change the allocation
     for d in _closest_first(per_node, devices) if per_node else []:
         fixes.append(Fix({"trainer.num_nodes": wanted // d, "trainer.devices": d}, f"keep tp={tp} pp={pp}"))
@@ -260,6 +260,11 @@ def format_plan(plan: LaunchPlan) -> str:
         lines.append(f"stages: blocks of {s.blocks_path} (first also {', '.join(s.pre) or '-'}; last also {', '.join(s.post) or '-'})")
         for stage, blocks in enumerate(s.stage_blocks):
             lines.append(f"  stage {stage} (pp rank {s.rank_of_stage(stage)}): blocks {_blocks(tuple(blocks))}")
+    cp = plan.mesh.cp_size
+    if cp > 1:
+        lines.append(f"context parallel: each sequence split over {cp} ranks (chunks i and {2 * cp - 1}-i of {2 * cp}), "
+                     f"keys and values passed round a ring: the blocks' activations per device are 1/{cp} of one "
+                     "device's; the embedding, head and loss run on the whole sequence on every rank")
     if plan.memory_left_out is not None:
         lines.append(f"memory per device: not estimated: {plan.memory_left_out}")
     if plan.memory:

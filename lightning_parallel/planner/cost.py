@@ -15,10 +15,16 @@ the ``s b h`` activations twice per layer forward and twice backward (Shoeybi et
 token-sized reductions, for a vocabulary-parallel head and loss. Pipeline stages send one activation forward and its gradient back
 per micro-batch, across nodes where neighbouring stages sit on different nodes. The per-stage
 costs of the slowest stage (it sets the pace of the pipeline) go to the schedule simulator
-(``pipeline.schedules.simulate``), which adds the bubble. The data-parallel gradient all-reduce
+(``pipeline.schedules.simulate``), which adds the bubble. Context parallelism (``cp`` ranks per
+sequence) divides the blocks' compute and activations by ``cp`` but not the embedding's and head's,
+which run on the whole sequence on every CP rank; its ring moves each layer's keys and values
+``cp - 1`` times forward, and again with their float32 gradients (``cp`` times) backward, plus one
+all-gather of the last block's output, charged without overlap with compute (an upper bound; ring
+attention overlaps them). The data-parallel gradient all-reduce
 (with ZeRO-1 the same bytes as a reduce-scatter and an all-gather) follows the pipeline flush with
-no overlap credited, which is exact for a contended CPU and an upper bound on a GPU. The optimizer
-step updates the parameters a device holds (a ``1 / DP`` share under ZeRO-1) at the calibrated
+no overlap credited, which is exact for a contended CPU and an upper bound on a GPU; it spans the DP
+and CP ranks. The optimizer step updates the parameters a device holds (a ``1 / (DP x CP)`` share
+under ZeRO-1) at the calibrated
 AdamW rate. When the
 devices are processes sharing CPU cores (``Cluster.shared_compute``) a waiting rank's core runs
 another rank, so the step is a rank's work (stages at their mean cost) and the bubble costs no time.
@@ -52,6 +58,7 @@ class Prediction:
     compute: float  # forward and backward matmuls
     tensor_parallel: float  # TP all-reduces
     point_to_point: float  # activations and their gradients between stages
+    context_parallel: float  # the ring's keys and values, forward and backward, and the gather after the blocks
     bubble: float  # the pipeline's idle share of the step, as a fraction
     data_parallel: float  # gradient all-reduce after the flush
     optimizer: float  # the optimizer step on the parameters this device updates
@@ -59,7 +66,8 @@ class Prediction:
 
     @property
     def idle(self) -> float:
-        busy = self.compute + self.tensor_parallel + self.point_to_point + self.data_parallel + self.optimizer
+        busy = (self.compute + self.tensor_parallel + self.point_to_point + self.context_parallel
+                + self.data_parallel + self.optimizer)
         return self.step_time - busy
 
 
@@ -85,6 +93,8 @@ class StageWork:
     """What one micro-batch asks of each (virtual) stage of a split, unsplit by TP."""
 
     flops_per_token: list[float]  # forward FLOPs of one token
+    outer_flops_per_token: list[float]  # the part of them outside the blocks (embedding, head), on the whole sequence
+    layers: list[int]  # blocks of each stage
     forward_allreduces: list[int]  # activation-sized all-reduces under TP, forward
     backward_allreduces: list[int]  # the same, backward
     loss_allreduces: list[int]  # token-sized ones (vocabulary-parallel cross entropy)
@@ -98,18 +108,20 @@ def stage_work(model: nn.Module, stages: StagePlan, dims: TransformerDims, seq: 
     last = stages.num_stages - 1
     embedding = _has(model, stages.pre, nn.Embedding, dims.vocab)
     head = _has(model, stages.post, nn.Linear, dims.vocab)
-    flops, forward, backward, loss = [], [], [], []
+    flops, outer, forward, backward, loss = [], [], [], [], []
     for s, block_range in enumerate(stages.stage_blocks):
         f = sum(2 * _linear_weights(blocks[i]) + 4 * seq * dims.hidden for i in block_range)
+        o = 0
         if s == 0:
-            f += sum(2 * _linear_weights(model.get_submodule(n)) for n in stages.pre)
+            o += sum(2 * _linear_weights(model.get_submodule(n)) for n in stages.pre)
         if s == last:
-            f += sum(2 * _linear_weights(model.get_submodule(n)) for n in stages.post)
-        flops.append(f)
+            o += sum(2 * _linear_weights(model.get_submodule(n)) for n in stages.post)
+        flops.append(f + o)
+        outer.append(o)
         forward.append(2 * len(block_range) + int(s == 0 and embedding))
         backward.append(2 * len(block_range) + int(s == last and head))
         loss.append(3 if s == last and head else 0)
-    return StageWork(flops, forward, backward, loss)
+    return StageWork(flops, outer, [len(r) for r in stages.stage_blocks], forward, backward, loss)
 
 
 def _crosses_nodes(ranks: list[int], devices_per_node: int) -> bool:
@@ -123,12 +135,16 @@ def predict(candidate: Candidate, work: StageWork, dims: TransformerDims, cluste
     lay, rates = candidate.layout, cluster.rates
     p_bytes, g_bytes, _, a_bytes = precision_bytes(precision)
     tokens = seq * candidate.replica_batch // lay.micro_batches  # per micro-batch
-    mesh = ParallelMesh(cluster.world, tensor_parallel=lay.tp, pipeline_parallel=lay.pp, data_parallel=lay.dp)
+    cp = lay.cp
+    mesh = ParallelMesh(cluster.world, tensor_parallel=lay.tp, pipeline_parallel=lay.pp, data_parallel=lay.dp,
+                        context_parallel=cp)
     # the stage that paces the pipeline: the slowest, or the mean one when cores are shared
     pace = (lambda xs: sum(xs) / len(xs)) if cluster.shared_compute else max
 
-    forward = pace(work.flops_per_token) * tokens / lay.tp / rates.flops
-    activation = tokens * dims.hidden * a_bytes
+    # under CP the blocks see a 1/cp share of the tokens, the embedding and head all of them
+    per_token = [(f - o) / cp + o for f, o in zip(work.flops_per_token, work.outer_flops_per_token)]
+    forward = pace(per_token) * tokens / lay.tp / rates.flops
+    activation = tokens * dims.hidden * a_bytes / cp  # the TP all-reduces of the blocks' share of the tokens
     one, through = ring_allreduce(activation, lay.tp, rates.intra_bandwidth, rates.latency)
     small = ring_allreduce(tokens * 4, lay.tp, rates.intra_bandwidth, rates.latency)[0]
     tp_forward = pace([n * one + k * small for n, k in zip(work.forward_allreduces, work.loss_allreduces)])
@@ -140,13 +156,15 @@ def predict(candidate: Candidate, work: StageWork, dims: TransformerDims, cluste
     link = rates.inter_bandwidth if across else rates.intra_bandwidth
     p2p = (activation / link + rates.latency) if lay.pp > 1 else 0.0
 
+    ring, ring_bytes = _context_parallel(tokens, dims, a_bytes, cp, pace(work.layers), mesh, cluster)
+
     f_cost = forward + tp_forward + p2p
     b_cost = forward + recompute + tp_backward + tp_recompute + p2p  # input gradient
     w_cost = forward  # weight gradient
     actions = actions_of(lay)
     per_rank = lay.micro_batches * lay.virtual_stages  # compute units of one rank per step
     if actions is None:
-        pipeline_time, bubble = f_cost + b_cost + w_cost, 0.0
+        pipeline_time, bubble = f_cost + b_cost + w_cost + ring, 0.0
     else:
         # a B without its own W action (an unsplit backward) costs b_cost + w_cost there
         sim = simulate([list(a) for a in actions], forward_cost=f_cost, backward_cost=b_cost, weight_cost=w_cost)
@@ -157,17 +175,33 @@ def predict(candidate: Candidate, work: StageWork, dims: TransformerDims, cluste
     # data parallelism: every gradient this device holds, once per step; ZeRO-1 moves the same
     # bytes as a reduce-scatter of gradients and an all-gather of parameters
     held = max(m.params for m in candidate.memory)
-    dp_across = _crosses_nodes(mesh.dp_groups()[0], cluster.devices_per_node)
+    dp_across = _crosses_nodes(mesh.dp_cp_groups()[0], cluster.devices_per_node)
     dp_bandwidth = rates.inter_bandwidth if dp_across else rates.intra_bandwidth
     dp_bytes = held * (g_bytes + p_bytes) / 2 if lay.zero else held * g_bytes
     buckets = math.ceil(held * g_bytes / BUCKET_BYTES)
-    dp_time, dp_through = ring_allreduce(dp_bytes, lay.dp, dp_bandwidth, rates.latency * buckets)
-    optimizer = held / (lay.dp if lay.zero else 1) / rates.optimizer
+    dp_time, dp_through = ring_allreduce(dp_bytes, lay.dp * cp, dp_bandwidth, rates.latency * buckets)
+    optimizer = held / (lay.dp * cp if lay.zero else 1) / rates.optimizer
 
     compute = per_rank * (3 * forward + recompute)
     tp_time = per_rank * (tp_forward + tp_backward + tp_recompute)
     allreduces = pace([f + b for f, b in zip(work.forward_allreduces, work.backward_allreduces)])
     tp_bytes = per_rank * allreduces * (1.5 if lay.recompute else 1) * through
     p2p_bytes = per_rank * 2 * activation if lay.pp > 1 else 0.0
-    return Prediction(pipeline_time + dp_time + optimizer, compute, tp_time, per_rank * 2 * p2p, bubble,
-                      dp_time, optimizer, tp_bytes + p2p_bytes + dp_through)
+    return Prediction(pipeline_time + dp_time + optimizer, compute, tp_time, per_rank * 2 * p2p, ring, bubble,
+                      dp_time, optimizer, tp_bytes + p2p_bytes + ring_bytes + dp_through)
+
+
+def _context_parallel(tokens: int, dims: TransformerDims, a_bytes: int, cp: int, layers: float, mesh: ParallelMesh,
+                      cluster: Cluster) -> tuple[float, float]:
+    """(seconds, bytes each device sends) of one micro-batch's ring attention over ``layers`` blocks and the
+    gather of the last block's output (module docstring); zero without context parallelism."""
+    if cp == 1:
+        return 0.0, 0.0
+    rates = cluster.rates
+    across = _crosses_nodes(mesh.cp_groups()[0], cluster.devices_per_node)
+    link = rates.inter_bandwidth if across else rates.intra_bandwidth
+    keys = 2 * tokens / cp * dims.kv_hidden  # this rank's keys and values: elements per shift
+    sent = layers * ((cp - 1) * 2 * keys * a_bytes + cp * keys * 4)  # forward and backward; float32 gradients
+    gather = (cp - 1) / cp * tokens * dims.hidden * a_bytes
+    messages = layers * (2 * (cp - 1) + cp) + (cp - 1)
+    return (sent + gather) / link + messages * rates.latency, sent + gather

@@ -16,7 +16,10 @@ parallelism), and one layer's full activations exist again while its backward ru
 et al. 2022, §4). ZeRO-1 (Rajbhandari et al. 2020, arXiv 1910.02054) divides the optimizer state
 by the data-parallel size (``zero_shards``). A rank keeps as many micro-batches in
 flight as the schedule simulator counts (``min(P - r, M)`` for 1F1B, ``M`` for GPipe). The last
-stage also holds the logits and their gradient in float32 (``8*s*b*V/t`` bytes). The formula
+stage also holds the logits and their gradient in float32 (``8*s*b*V/t`` bytes). Context
+parallelism (``context_parallel=c``) gives each rank ``s/c`` of the queries against all ``s`` keys,
+so every term of a layer's activations, the ``s^2`` one included, is divided by ``c``; the logits are
+not, since the head runs on the whole gathered sequence on every CP rank (``context_parallel/``). The formula
 assumes a GPT-style block (4h MLP, as many KV heads as heads); for other blocks it is an
 estimate of the same order. Nothing here counts framework buffers or allocator fragmentation.
 """
@@ -58,15 +61,22 @@ class TransformerDims:
     hidden: int
     heads: int
     vocab: int
+    kv_heads: int | None = None  # grouped-query attention's key/value heads; None: as many as heads
+
+    @property
+    def kv_hidden(self) -> int:
+        """Width of the keys (and of the values) of one token."""
+        return self.hidden * (self.kv_heads or self.heads) // self.heads
 
 
 def transformer_dims(model: nn.Module) -> TransformerDims | None:
-    """Hidden size, heads and vocabulary of a Hugging Face config inside ``model``, or of nanoGPT-style
-    hyperparameters (``n_embd``, ``n_head``, ``vocab_size``); None when neither is there."""
+    """Hidden size, heads (and key/value heads) and vocabulary of a Hugging Face config inside ``model``,
+    or of nanoGPT-style hyperparameters (``n_embd``, ``n_head``, ``vocab_size``); None when neither is there."""
     for module in model.modules():
         config = getattr(module, "config", None)
         if all(hasattr(config, k) for k in ("hidden_size", "num_attention_heads", "vocab_size")):
-            return TransformerDims(config.hidden_size, config.num_attention_heads, config.vocab_size)
+            return TransformerDims(config.hidden_size, config.num_attention_heads, config.vocab_size,
+                                   getattr(config, "num_key_value_heads", None))
     hp = getattr(model, "hparams", {})
     if all(k in hp for k in ("n_embd", "n_head", "vocab_size")):
         return TransformerDims(hp["n_embd"], hp["n_head"], hp["vocab_size"])
@@ -165,6 +175,7 @@ def estimate_memory(
     recompute: bool = False,
     params: list[int] | None = None,
     in_flight: list[int] | None = None,
+    context_parallel: int = 1,
 ) -> list[RankMemory]:
     """Memory per device of every pipeline rank (see the module docstring for what is counted).
 
@@ -186,9 +197,11 @@ def estimate_memory(
         if dims is not None:
             # each in-flight unit is one (virtual) stage's blocks for one micro-batch
             deepest = max(len(stages.stage_blocks[s]) for s in rank_stages)
-            per_layer = layer_activation_bytes(dims, seq, micro_batch, tp, sequence_parallel, a_bytes)
+            per_layer = (layer_activation_bytes(dims, seq, micro_batch, tp, sequence_parallel, a_bytes)
+                         / context_parallel)
             if recompute:
-                layer_input = seq * micro_batch * dims.hidden * a_bytes / (tp if sequence_parallel else 1)
+                layer_input = (seq * micro_batch * dims.hidden * a_bytes / (tp if sequence_parallel else 1)
+                               / context_parallel)
                 act = in_flight[rank] * deepest * layer_input + per_layer
             else:
                 act = in_flight[rank] * deepest * per_layer

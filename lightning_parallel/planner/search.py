@@ -152,7 +152,8 @@ def format_table(result: SearchResult, top: int = 5) -> str:
 
 
 _PARTS = (("compute", "compute"), ("tensor_parallel", "TP all-reduces"), ("point_to_point", "stage-to-stage sends"),
-          ("idle", "pipeline bubble"), ("data_parallel", "DP all-reduce"), ("optimizer", "optimizer step"))
+          ("context_parallel", "ring attention exchanges"), ("idle", "pipeline bubble"),
+          ("data_parallel", "DP all-reduce"), ("optimizer", "optimizer step"))
 
 
 def explain(result: SearchResult) -> str:
@@ -181,5 +182,5 @@ def explain(result: SearchResult) -> str:
     return "\n".join(lines)
 
 
-def _sizes(r: Ranked) -> tuple[int, int, int]:
-    return r.candidate.layout.tp, r.candidate.layout.pp, r.candidate.layout.dp
+def _sizes(r: Ranked) -> tuple[int, int, int, int]:
+    return r.candidate.layout.tp, r.candidate.layout.pp, r.candidate.layout.dp, r.candidate.layout.cp

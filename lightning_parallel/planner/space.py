@@ -1,7 +1,9 @@
 """Every layout a world of ``nodes x devices_per_node`` processes can train a model with.
 
 A layout is the TP size (a divisor of the devices per node that the model's TP plan accepts: heads,
-KV heads, vocabulary), the PP size (at most one stage per block), DP taking the processes left, the
+KV heads, vocabulary), the PP size (at most one stage per block), the CP size (1 unless the options
+fix it: context parallelism is asked for, not searched, and never with pipelining), DP taking the
+processes left, the
 micro-batches per replica batch, the pipeline schedule, ZeRO-1 on or off and activation
 checkpointing on or off. Every schedule in ``pipeline.schedules.SCHEDULES`` is tried with one and
 with two model chunks per rank and kept where ``validate`` accepts it, so a schedule added there is
@@ -90,9 +92,10 @@ class Layout:
     virtual_stages: int = 1
     zero: bool = False
     recompute: bool = False
+    cp: int = 1
 
     def describe(self) -> str:
-        parts = [f"tp={self.tp} pp={self.pp} dp={self.dp}"]
+        parts = [f"tp={self.tp} pp={self.pp} dp={self.dp}" + (f" cp={self.cp}" if self.cp > 1 else "")]
         if self.pp > 1:
             chunks = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
             parts.append(f"{self.schedule}{chunks} m={self.micro_batches}")
@@ -106,7 +109,8 @@ class Layout:
         """The ``ParallelStrategy`` arguments of this layout (activation checkpointing is the model's):
         every option the search may choose, so that none is left as "auto"."""
         chosen = {"tensor_parallel": self.tp, "pipeline_parallel": self.pp, "data_parallel": self.dp,
-                  "zero_stage": int(self.zero), "micro_batches": None, "schedule": "1f1b", "virtual_stages": 1}
+                  "context_parallel": self.cp, "zero_stage": int(self.zero), "micro_batches": None,
+                  "schedule": "1f1b", "virtual_stages": 1}
         if self.pp > 1:
             chosen.update(micro_batches=self.micro_batches, schedule=self.schedule, virtual_stages=self.virtual_stages)
         return chosen
@@ -128,6 +132,7 @@ class Constraints:
     virtual_stages: Optional[int] = None
     zero: Optional[bool] = None
     recompute: tuple[bool, ...] = (False, True)
+    cp: int = 1  # context parallelism is asked for, never searched
 
 
 @dataclass(frozen=True)
@@ -205,11 +210,12 @@ def enumerate_layouts(model: nn.Module, cluster: Cluster, work: Workload,
     splits: dict = {}  # (tp, pp, chunks, placement) -> TP assignments and stages, or None
     held: dict = {}  # (tp, pp, chunks, placement) -> parameters per pipeline rank
     found: list[Candidate] = []
+    cp = fixed.cp
     for tp in divisors(cluster.devices_per_node):
-        if world % tp or (fixed.tp is not None and tp != fixed.tp):
+        if world % (tp * cp) or (fixed.tp is not None and tp != fixed.tp):
             continue
-        for pp in divisors(world // tp):
-            dp = world // (tp * pp)
+        for pp in divisors(world // (tp * cp)) if cp == 1 else [1]:
+            dp = world // (tp * pp * cp)
             if pp > blocks or (fixed.pp is not None and pp != fixed.pp) or (fixed.dp is not None and dp != fixed.dp):
                 continue
             replica_batch = work.batch_per_replica(dp)
@@ -217,37 +223,40 @@ def enumerate_layouts(model: nn.Module, cluster: Cluster, work: Workload,
                 continue
             for micro_batches, schedule, chunks in pipeline_options(pp, replica_batch, blocks, fixed):
                 where = (tp, pp, chunks, schedule or "1f1b")
-                split = _split(model, world, where, work, splits)
+                split = _split(model, world, where, work, splits, cp)
                 if split is None or split[1] is None:
                     continue
                 placed = (tp, pp, chunks, placement_of(schedule or "1f1b"))
                 if placed not in held:
                     assignments, stages = split
                     held[placed] = parameters_per_rank(model, stages, tp_sharded_parameters(assignments), tp)
-                base = Layout(tp, pp, dp, micro_batches, schedule, chunks)
-                for zero in _choices(fixed.zero, dp):
+                base = Layout(tp, pp, dp, micro_batches, schedule, chunks, cp=cp)
+                for zero in _choices(fixed.zero, dp * cp):
                     for recompute in fixed.recompute:
                         layout = replace(base, zero=zero, recompute=recompute)
                         found.append(_candidate(model, layout, replica_batch, split, held[placed], work))
     return found
 
 
-def _choices(zero: Optional[bool], dp: int) -> tuple[bool, ...]:
-    if dp == 1:
-        return (False,)  # nothing to shard the optimizer over
+def _choices(zero: Optional[bool], replicas: int) -> tuple[bool, ...]:
+    if replicas == 1:
+        return (False,)  # nothing to shard the optimizer over (the DP x CP ranks hold the same parameters)
     return (False, True) if zero is None else (zero,)
 
 
-def _split(model: nn.Module, world: int, where: tuple[int, int, int, str], work: Workload, splits: dict):
-    """TP assignments and stages of ``model`` at ``(tp, pp, chunks per rank, schedule)``, or None where it
-    does not split so (cached by the stage placement the schedule implies)."""
+def _split(model: nn.Module, world: int, where: tuple[int, int, int, str], work: Workload, splits: dict,
+           cp: int = 1):
+    """TP assignments and stages of ``model`` at ``(tp, pp, chunks per rank, schedule)`` (and ``cp``), or None
+    where it does not split so (cached by the stage placement the schedule implies)."""
     tp, pp, chunks, schedule = where
     key = (tp, pp, chunks, placement_of(schedule))
     if key not in splits:
         options = work.options.replace(tensor_parallel=tp, pipeline_parallel=pp, data_parallel="auto",
-                                       schedule=schedule, virtual_stages=chunks, pipeline_layout=None)
+                                       context_parallel=cp, schedule=schedule, virtual_stages=chunks,
+                                       pipeline_layout=None)
+        mesh = ParallelMesh(world, tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp)
         try:
-            splits[key] = check_model(model, ParallelMesh(world, tensor_parallel=tp, pipeline_parallel=pp), options)
+            splits[key] = check_model(model, mesh, options)
         except LaunchError:
             splits[key] = None
     return splits[key]
@@ -267,9 +276,10 @@ def _candidate(model: nn.Module, layout: Layout, replica_batch: int, split, para
     memory = tuple(estimate_memory(
         model, stages, tp_sharded_parameters(assignments), layout.tp, work.seq,
         replica_batch // layout.micro_batches, layout.micro_batches, layout.schedule or "1f1b",
-        work.options.sequence_parallel, work.precision, zero_shards=layout.dp if layout.zero else 1,
+        work.options.sequence_parallel, work.precision, zero_shards=layout.dp * layout.cp if layout.zero else 1,
         recompute=layout.recompute, params=params,
         in_flight=peak_in_flight(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages),
+        context_parallel=layout.cp,
     ))
     return Candidate(layout, replica_batch, stages, memory)
 

@@ -6,7 +6,8 @@ every stage holds different parameters, so the local norm is wrong. The global s
 sum over TP shards and pipeline stages of local squared norms, where a parameter replicated across TP
 ranks (a LayerNorm weight) is counted on TP rank 0 only and a weight tied between two stages on one
 of them only (Megatron-LM's ``param_is_not_tensor_parallel_duplicate`` rule, Shoeybi et al. 2019).
-Data-parallel replicas hold identical gradients after the all-reduce, so no DP reduction is needed.
+Data-parallel replicas (and context-parallel ranks) hold identical gradients after the all-reduce,
+so no DP reduction is needed, except under ZeRO-1, where each holds a slice.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def global_grad_norm(
         params: this rank's parameters (those without a gradient are ignored).
         mesh: the process mesh.
         counted_once: ``False`` for a local parameter whose gradient another stage also holds and counts.
-        sharded_over_dp: the parameters are disjoint slices per data-parallel rank (ZeRO-1).
+        sharded_over_dp: the parameters are disjoint slices per rank of the DP x CP group (ZeRO-1).
     """
     params = list(params)
     total = None
@@ -48,8 +49,8 @@ def global_grad_norm(
         dist.all_reduce(total, group=mesh.tp_group)
     if mesh.pp_size > 1:
         dist.all_reduce(total, group=mesh.pp_group)
-    if sharded_over_dp and mesh.dp_size > 1:
-        dist.all_reduce(total, group=mesh.dp_group)
+    if sharded_over_dp and mesh.dp_cp_size > 1:
+        dist.all_reduce(total, group=mesh.dp_cp_group)
     return total.sqrt()
 
 

@@ -1,14 +1,16 @@
-"""``ParallelStrategy``: data, tensor and pipeline parallelism for an unchanged LightningModule.
+"""``ParallelStrategy``: data, tensor, pipeline and context parallelism for an unchanged LightningModule.
 
-The strategy owns the process mesh and composes the three parts in a fixed order at setup:
+The strategy owns the process mesh and composes the parts in a fixed order at setup:
 
 1. every rank receives rank 0's initial parameters, so all replicas, shards and stages start from
    the single-device initialisation (in host memory: only what a rank keeps after step 3 moves to
    its accelerator, ``init.py``);
 2. tensor parallelism shards the modules named by a plan (``tensor_parallel/``);
 3. pipeline parallelism keeps only this rank's stage (``pipeline/``);
-4. the optimizers are created from what is left, and data parallelism hooks the local parameters
-   (``data_parallel/``).
+4. context parallelism hooks the model's blocks to split each sequence over the CP ranks
+   (``context_parallel/``), checked on the first batch (``checks/sequence_split.py``);
+5. the optimizers are created from what is left, and data parallelism hooks the local parameters
+   (``data_parallel/``), averaging gradients over the DP and CP ranks together.
 
 After each backward window, gradients are finalised in Megatron-LM's order (``gradients.py``).
 Clipping by norm then uses the norm of the whole model (``clipping.py``). A module is split once:
@@ -46,6 +48,7 @@ from lightning_parallel.checkpoint.atomic import remove_checkpoint_dir, save_fil
 from lightning_parallel.checkpoint.hf_models import RECORD_KEY as HF_RECORD_KEY
 from lightning_parallel.checkpoint.hf_models import describe as describe_hf_models
 from lightning_parallel.checks.launch import validate_launch
+from lightning_parallel.checks.sequence_split import refuse_unsplittable_sequence
 from lightning_parallel.checks.share import Share, measured_share
 from lightning_parallel.checks.split_values import (
     refuse_failing_split,
@@ -69,6 +72,7 @@ from lightning_parallel.compat import (
     module_hidden_from_teardown,
     set_skip_backward,
 )
+from lightning_parallel.context_parallel import ContextParallel
 from lightning_parallel.data_parallel import GradientSynchronizer
 from lightning_parallel.data_parallel.buffers import BufferBroadcast
 from lightning_parallel.data_parallel.zero import ZeroOneSharding
@@ -81,6 +85,7 @@ from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline import PipelineEngine
 from lightning_parallel.pipeline.example import first_batch
+from lightning_parallel.pipeline.partition import find_blocks
 from lightning_parallel.planner import SearchResult
 from lightning_parallel.planner.auto import choose_for
 from lightning_parallel.strategy.clipping import clip_grads_by_global_norm
@@ -104,18 +109,21 @@ from lightning_parallel.strategy.materialize import (
 )
 from lightning_parallel.strategy.metric_sync import sync_metrics_per_replica
 from lightning_parallel.strategy.requeue import DeferredRequeue
-from lightning_parallel.strategy.summary import parameters_per_module, report_whole_model
+from lightning_parallel.strategy.summary import (
+    parameters_per_module,
+    report_whole_model,
+)
 from lightning_parallel.tensor_parallel import parallelize
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 
 class ParallelStrategy(_LightningParallelStrategy):
-    """Data x tensor x pipeline parallelism on one process mesh.
+    """Data x tensor x pipeline x context parallelism on one process mesh.
 
     Args:
-        data_parallel, tensor_parallel, pipeline_parallel, micro_batches, schedule, virtual_stages,
-        sequence_parallel, tp_plan, pipeline_blocks, pipeline_layout, bucket_size_mb, zero_stage,
+        data_parallel, tensor_parallel, pipeline_parallel, context_parallel, micro_batches, schedule,
+        virtual_stages, sequence_parallel, tp_plan, pipeline_blocks, pipeline_layout, bucket_size_mb, zero_stage,
         broadcast_buffers, verify_split:
             the layout and its options, each documented on ``ParallelOptions`` (``options.py``).
             A size given as ``"auto"`` (tensor_parallel, pipeline_parallel, schedule,
@@ -134,6 +142,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         data_parallel: Union[int, str] = "auto",
         tensor_parallel: Union[int, str] = 1,
         pipeline_parallel: Union[int, str] = 1,
+        context_parallel: int = 1,
         micro_batches: Optional[int] = None,
         schedule: str = "1f1b",
         virtual_stages: Union[int, str] = 1,
@@ -165,7 +174,8 @@ class ParallelStrategy(_LightningParallelStrategy):
             raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}")
         self.options = ParallelOptions(
             tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, data_parallel=data_parallel,
-            micro_batches=micro_batches, schedule=schedule, virtual_stages=virtual_stages,
+            context_parallel=context_parallel, micro_batches=micro_batches, schedule=schedule,
+            virtual_stages=virtual_stages,
             sequence_parallel=sequence_parallel, tp_plan=tp_plan, pipeline_blocks=pipeline_blocks,
             pipeline_layout=pipeline_layout, bucket_size_mb=bucket_size_mb, zero_stage=zero_stage,
             broadcast_buffers=broadcast_buffers, verify_split=verify_split,
@@ -179,6 +189,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         self.grad_sync: Optional[GradientSynchronizer] = None
         self.pipeline = None  # pipeline.PipelineEngine when pipeline_parallel > 1
         self.zero: Optional[ZeroOneSharding] = None
+        self.context_parallel: Optional[ContextParallel] = None  # the sequence split, when context_parallel > 1
         self._sync_blocked = False
         self._requeue = DeferredRequeue(None)
         self._unsplit_counts: dict[str, tuple[int, int]] = {}  # parameters per module before the split
@@ -232,7 +243,7 @@ class ParallelStrategy(_LightningParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # all TP shards and pipeline stages of one replica read the same batch
+        # all TP shards, CP ranks and pipeline stages of one replica read the same batch
         mesh = self._planned_mesh()
         return {"num_replicas": mesh.dp_size, "rank": mesh.coords(self.global_rank).dp}
 
@@ -324,7 +335,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         self._requeue = DeferredRequeue(self.cluster_environment)
 
     def _checks_model(self, module: Any) -> bool:
-        return module is not None and self.is_model_split and not self._has_split(module)
+        return module is not None and (self.is_model_split or self.options.cp > 1) and not self._has_split(module)
 
     def _refuse_split_model_flags(self, trainer: Any) -> None:
         """Trainer features that would silently do something else on a split model (TP or PP)."""
@@ -350,7 +361,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         self.precision_plugin.convert_module(self.model)
-        if self._has_split(module):  # a later fit/validate/test/predict in this process: split once
+        if self._has_split(module):  # a later fit/validate/test/predict in this process: split and hook once
             self.model_to_device()
             if self.pipeline is not None:
                 self.pipeline.link.device = self.root_device
@@ -362,15 +373,20 @@ class ParallelStrategy(_LightningParallelStrategy):
                                     loss_scaler=getattr(self.precision_plugin, "scaler", None) is not None)
             self._unsplit_counts = parameters_per_module(module)
             self._split(module)
+            if self.options.cp > 1:
+                path, blocks = find_blocks(module, self.options.pipeline_blocks)
+                self.context_parallel = ContextParallel(blocks, self.mesh.cp_group, path)
+                self._split_module = weakref.ref(module)
         if self.is_model_split:  # Lightning's summary would count rank 0's shard of its stage
             report_whole_model(trainer.callbacks, self._unsplit_counts)
         sync_metrics_per_replica(module, self.mesh)  # TP ranks' identical metric states count once
         if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
             self.model = self._apply_layer_sync(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
-            if self.mesh.dp_size > 1:
+            if self.mesh.dp_cp_size > 1:  # CP ranks hold the replica's parameters too (see context_parallel/comm.py)
                 self.grad_sync = GradientSynchronizer(
-                    list(module.parameters()), self.mesh.dp_group, self.options.bucket_size_mb, shard=self.options.zero == 1,
+                    list(module.parameters()), self.mesh.dp_cp_group, self.options.bucket_size_mb,
+                    shard=self.options.zero == 1,
                     deferred=shared_across_stages(module, self.pipeline) if self.pipeline is not None else (),
                 )
             if self.pipeline is not None:
@@ -395,8 +411,10 @@ class ParallelStrategy(_LightningParallelStrategy):
         if self.options.tp > 1 and self.pipeline is None:
             refuse_wrong_split(self, self._tp_reference)
             self._tp_reference = None
-        if self.options.broadcast_buffers and self.mesh.dp_size > 1:  # after the probes, whose steps are no real ones
-            self.buffer_broadcast = BufferBroadcast(module, self.mesh.dp_group)
+        if self.context_parallel is not None:
+            refuse_unsplittable_sequence(self, trainer, self.context_parallel)
+        if self.options.broadcast_buffers and self.mesh.dp_cp_size > 1:  # after the probes, whose steps are no real ones
+            self.buffer_broadcast = BufferBroadcast(module, self.mesh.dp_cp_group)
 
     def _apply_layer_sync(self, model: Any) -> Any:
         """``Trainer(sync_batchnorm=True)``: BatchNorm statistics over the data-parallel replicas only.
@@ -539,10 +557,15 @@ class ParallelStrategy(_LightningParallelStrategy):
         if self.buffer_broadcast is not None:
             self.buffer_broadcast.before_forward(synchronising=not self._sync_blocked)
 
+    def _sequence_split(self) -> Any:
+        """Around a step or a backward: the sequence split over the CP ranks (``context_parallel/``)."""
+        return self.context_parallel.active() if self.context_parallel is not None else nullcontext()
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._before_forward()
         if self.pipeline is None:
-            return super().training_step(*args, **kwargs)
+            with self._sequence_split():
+                return super().training_step(*args, **kwargs)
         trainer = self.lightning_module.trainer
         batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         if batch_idx % trainer.accumulate_grad_batches == 0:
@@ -560,21 +583,24 @@ class ParallelStrategy(_LightningParallelStrategy):
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         self._before_forward()
         if self.pipeline is None:
-            return super().validation_step(*args, **kwargs)
+            with self._sequence_split():
+                return super().validation_step(*args, **kwargs)
         with self.precision_plugin.val_step_context():
             return self.pipeline.validation_step(*args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         self._before_forward()
         if self.pipeline is None:
-            return super().test_step(*args, **kwargs)
+            with self._sequence_split():
+                return super().test_step(*args, **kwargs)
         with self.precision_plugin.test_step_context():
             return self.pipeline.test_step(*args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         self._before_forward()
         if self.pipeline is None:
-            return super().predict_step(*args, **kwargs)
+            with self._sequence_split():
+                return super().predict_step(*args, **kwargs)
         with self.precision_plugin.predict_step_context():
             return self.pipeline.predict_step(*args, **kwargs)
 
@@ -596,6 +622,11 @@ class ParallelStrategy(_LightningParallelStrategy):
                 yield None
         finally:
             self._sync_blocked = False
+
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        # blocks that activation checkpointing recomputes split their sequence again, and attend over the ring
+        with self._sequence_split():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def post_backward(self, closure_loss: Tensor) -> None:
         # after the window's last backward (manual optimisation: after every manual_backward)
@@ -622,10 +653,10 @@ class ParallelStrategy(_LightningParallelStrategy):
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Any = "mean") -> Any:
         """Reduce over the data-parallel replicas (``self.log(..., sync_dist=True)`` comes here).
 
-        The ranks of one replica's tensor and pipeline groups hold the same logged values (TP ranks
-        compute them alike, pipeline stages replay the last stage's), so reducing over every rank
-        would count a ``reduce_fx="sum"`` value tp x pp times; the mean, max and min are the same
-        either way. An explicit ``group`` is used as given.
+        The ranks of one replica's tensor, context and pipeline groups hold the same logged values
+        (TP and CP ranks compute them alike, pipeline stages replay the last stage's), so reducing over
+        every rank would count a ``reduce_fx="sum"`` value tp x cp x pp times; the mean, max and min are
+        the same either way. An explicit ``group`` is used as given.
         """
         if isinstance(tensor, Tensor):
             if group is None and self.mesh is not None and _distributed_is_initialized():
@@ -634,18 +665,19 @@ class ParallelStrategy(_LightningParallelStrategy):
         return tensor
 
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        """``self.all_gather``: one entry per data-parallel replica (and pipeline stage), not per TP rank.
+        """``self.all_gather``: one entry per data-parallel replica (and pipeline stage), not per TP or CP rank.
 
-        The TP ranks of a replica hold the same values, as a model on one device would compute them
-        once; gathering them all would repeat every sample ``tensor_parallel`` times. A group other
-        than the world is used as given.
+        The TP and CP ranks of a replica hold the same values, as a model on one device would compute
+        them once; gathering them all would repeat every sample ``tensor_parallel x context_parallel``
+        times. A group other than the world is used as given.
         """
         gathered = super().all_gather(tensor, group, sync_grads)
         default = group is None or group is dist.group.WORLD  # LightningModule.all_gather passes WORLD
-        if not default or self.mesh is None or self.mesh.tp_size == 1 or not _distributed_is_initialized():
+        mesh = self.mesh
+        if not default or mesh is None or mesh.tp_size * mesh.cp_size == 1 or not _distributed_is_initialized():
             return gathered
-        tp = self.mesh.tp_rank
-        return gathered[[r for r in range(self.mesh.world_size) if self.mesh.coords(r).tp == tp]]
+        me = mesh.my_coords
+        return gathered[[r for r in range(mesh.world_size) if (mesh.coords(r).tp, mesh.coords(r).cp) == (me.tp, me.cp)]]
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
         """Whether every rank (``all``) or any rank decided so, over all ranks (early stopping, checkpoints)."""

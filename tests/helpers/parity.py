@@ -83,6 +83,7 @@ def fit_and_record(
     strategy: Any = "auto",
     max_steps: int = 4,
     emulate_replicas: int = 0,
+    ckpt_path: str | None = None,
     **trainer_kwargs: Any,
 ) -> list[dict]:
     """Fit a deep copy of ``module`` (or the module ``module(trainer)`` builds with the fitting Trainer,
@@ -90,6 +91,7 @@ def fit_and_record(
 
     ``batch_size`` is per rank. A single-device reference run passes ``emulate_replicas=D`` and
     the global batch size, to read exactly the batches of a run with D data-parallel replicas.
+    ``ckpt_path``: resume from that checkpoint (``Trainer.fit``'s argument).
     """
     os.makedirs(out_dir, exist_ok=True)
     trainer = L.Trainer(
@@ -111,7 +113,8 @@ def fit_and_record(
         loader = DataLoader(dataset, batch_sampler=sampler)
     else:
         loader = DataLoader(dataset, batch_size=batch_size, shuffle=False)
-    trainer.fit(copy.deepcopy(module) if isinstance(module, L.LightningModule) else module(trainer), loader)
+    trainer.fit(copy.deepcopy(module) if isinstance(module, L.LightningModule) else module(trainer), loader,
+                ckpt_path=ckpt_path)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(devices)]
 
 

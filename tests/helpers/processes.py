@@ -72,6 +72,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     return [results[r] for r in range(world_size)]
 
 
-def make_mesh(rank: int, world_size: int, tp: int = 1, pp: int = 1) -> ParallelMesh:
+def make_mesh(rank: int, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1) -> ParallelMesh:
     """A mesh with its process groups, inside a ``run_distributed`` worker."""
-    return ParallelMesh(world_size, tensor_parallel=tp, pipeline_parallel=pp).init_process_groups(rank)
+    return ParallelMesh(world_size, tensor_parallel=tp, pipeline_parallel=pp,
+                        context_parallel=cp).init_process_groups(rank)

@@ -99,6 +99,19 @@ def test_autograd_engine_and_backward_detection():
     assert torch.equal(grad, torch.full((2,), 2.0))
 
 
+def test_cpu_flash_attention_returns_the_log_sum_exp_and_matches_sdpa():
+    forward, backward = compat.cpu_flash_attention()
+    q, k, v = (torch.randn(1, 4, 6, 8, requires_grad=True) for _ in range(3))
+    out, lse = forward(q, k, v, 0.0, True, scale=None)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, expected)
+    scores = (q @ k.transpose(-2, -1) / 8 ** 0.5).masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), -float("inf"))
+    torch.testing.assert_close(lse, scores.logsumexp(-1))
+    grads = backward(torch.ones_like(out), q, k, v, out, lse, 0.0, True, scale=None)
+    for got, want in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v))):
+        torch.testing.assert_close(got, want)
+
+
 def test_packed_in_projection_of_multihead_attention():
     assert compat.packed_in_projection(nn.MultiheadAttention(8, 2))
     assert not compat.packed_in_projection(nn.MultiheadAttention(8, 2, kdim=4, vdim=4))

@@ -15,7 +15,7 @@ from tests.helpers.processes import run_distributed
 def test_tp_varies_fastest_then_dp_then_pp():
     mesh = ParallelMesh(8, tensor_parallel=2, pipeline_parallel=2)
     assert mesh.dp_size == 2
-    assert [tuple(vars(mesh.coords(r)).values()) for r in range(8)] == [
+    assert [(c.pp, c.dp, c.tp) for c in map(mesh.coords, range(8))] == [
         (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1),
     ]
     assert mesh.tp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
@@ -112,6 +112,42 @@ def test_stage_groups_are_created_by_their_pipelines_ranks_only_and_reduce_over_
         assert whole_is_pp_group
         assert sums == {s: float(sum(s)) for s in [(0, 3), (0, 1, 2, 3), (1, 2), (0, 1)] if rank in s}
         assert calls == 3  # one per set other than the whole pipeline, its own or a stand-in
+
+
+def test_cp_varies_between_tp_and_dp_and_its_groups_partition_the_world():
+    mesh = ParallelMesh(16, tensor_parallel=2, context_parallel=2, pipeline_parallel=2)
+    assert mesh.dp_size == 2 and mesh.dims == ("pp", "dp", "cp", "tp")
+    assert [(c.pp, c.dp, c.cp, c.tp) for c in map(mesh.coords, range(4))] == [(0, 0, 0, 0), (0, 0, 0, 1),
+                                                                             (0, 0, 1, 0), (0, 0, 1, 1)]
+    assert mesh.cp_groups()[:2] == [[0, 2], [1, 3]]
+    assert mesh.dp_cp_groups()[:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]  # gradients averaged over DP and CP together
+    for kind in ("tp", "dp", "cp", "pp", "dp_cp"):
+        groups = getattr(mesh, f"{kind}_groups")()
+        assert sorted(r for g in groups for r in g) == list(range(16))
+    for r in range(16):
+        c = mesh.coords(r)
+        assert mesh.rank_of(c.pp, c.dp, c.tp, c.cp) == r
+    assert ParallelMesh(8, tensor_parallel=2).dims == ("pp", "dp", "tp")  # no cp dimension without CP
+    with pytest.raises(MeshError, match=r"context_parallel=4 = 8 does not divide the world size 4"):
+        ParallelMesh(4, tensor_parallel=2, context_parallel=4)
+
+
+def _cp_groups_worker(rank, world):
+    mesh = ParallelMesh(world, tensor_parallel=2, context_parallel=2).init_process_groups(rank)
+    sums = {}
+    for kind in ("tp", "cp", "dp", "dp_cp"):
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=getattr(mesh, f"{kind}_group"))
+        sums[kind] = t.item()
+    return sums, mesh.device_mesh.mesh_dim_names
+
+
+@pytest.mark.timeout(60)
+def test_cp_and_dp_cp_groups_reduce_over_the_right_ranks():
+    mesh = ParallelMesh(8, tensor_parallel=2, context_parallel=2)
+    for rank, (sums, names) in enumerate(run_distributed(_cp_groups_worker, 8)):
+        assert names == ("pp", "dp", "cp", "tp")
+        assert sums == {kind: sum(mesh.group_ranks(kind, rank)) for kind in sums}
 
 
 def test_group_ranks_of_a_rank_are_its_group_in_the_full_list():

@@ -1,0 +1,154 @@
+"""What context parallelism cannot split is refused with what would work: before the processes start
+where the model shows it (eager attention, pipelining), at setup on every rank, before any step,
+where only running the first batch shows it (a sequence length, a padding mask, attention written
+out by hand)."""
+
+from datetime import timedelta
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_parallel.checks.launch import check_layout
+from lightning_parallel.context_parallel.attention import is_causal_mask
+from lightning_parallel.errors import LaunchError, LightningParallelError
+from lightning_parallel.options import ParallelOptions
+from lightning_parallel.strategy import ParallelStrategy
+from tests.context_parallel.test_cp_training import VOCAB, LlamaLM
+
+
+class MarkSteps(Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        (self.out / f"step{trainer.global_rank}").touch()
+
+
+class RecordingStrategy(ParallelStrategy):
+    """Writes the refusal its setup raises to ``<out>/rank<r>.txt``, then raises it on."""
+
+    def __init__(self, out: Path, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.out = out
+
+    def setup(self, trainer) -> None:
+        try:
+            super().setup(trainer)
+        except LightningParallelError as err:
+            (self.out / f"rank{self.global_rank}.txt").write_text(f"{type(err).__name__}: {err}")
+            raise
+
+
+def refused_messages(module: L.LightningModule, data: torch.Tensor, out: Path, cp: int = 2) -> list[str]:
+    """Fit ``module`` with context_parallel=cp and return what setup raised on each rank; no step may run."""
+    strategy = RecordingStrategy(out, context_parallel=cp, start_method="fork", timeout=timedelta(seconds=30))
+    trainer = L.Trainer(accelerator="cpu", devices=cp, strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[MarkSteps(out)])
+    with pytest.raises(Exception):
+        trainer.fit(module, DataLoader(TensorDataset(data), batch_size=2))
+    assert not list(out.glob("step*")), "a training step ran before the refusal"
+    return [(out / f"rank{r}.txt").read_text() for r in range(cp)]
+
+
+@pytest.mark.timeout(90)
+def test_sequence_length_that_does_not_divide_into_2n_chunks_is_refused_at_setup_on_every_rank(tmp_path):
+    messages = refused_messages(LlamaLM(), torch.randint(0, VOCAB, (4, 14)), tmp_path)
+    assert messages[0] == messages[1]
+    assert messages[0].startswith("SequenceLengthError: context_parallel=2 cuts each sequence into 2 x 2 = 4")
+    assert "the sequence length is 14. Use sequences of a multiple of 4 tokens (12 or 16)" in messages[0]
+
+
+class PaddedLM(LlamaLM):
+    """Right-padded sequences: the last two tokens of every sample are padding (attention_mask 0)."""
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        mask = torch.ones_like(tokens)
+        mask[:, -2:] = 0
+        return self.model(input_ids=tokens, attention_mask=mask, labels=tokens.masked_fill(mask == 0, -100)).loss
+
+
+@pytest.mark.timeout(90)
+def test_padding_mask_is_refused_at_setup_on_every_rank(tmp_path):
+    messages = refused_messages(PaddedLM(), torch.randint(0, VOCAB, (4, 16)), tmp_path)
+    assert messages[0] == messages[1]
+    assert messages[0].startswith("AttentionError: an attention mask of shape")
+    assert "that is not the causal mask of the 16-token sequence (a padding mask" in messages[0]
+    assert "pass no attention_mask), or without context_parallel" in messages[0]
+
+
+class HandWrittenAttention(nn.Module):
+    """Attention computed with matmul and softmax, not scaled_dot_product_attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        scores = (x @ x.transpose(1, 2)).masked_fill(torch.ones(x.shape[1], x.shape[1]).triu(1).bool(), -1e9)
+        return x + self.proj(scores.softmax(-1) @ x)
+
+
+class HandWrittenLM(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.blocks, self.head = nn.Embedding(VOCAB, 8), nn.ModuleList(
+            HandWrittenAttention() for _ in range(2)), nn.Linear(8, VOCAB)
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), tokens.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.timeout(90)
+def test_attention_that_does_not_call_sdpa_is_refused_at_setup_on_every_rank(tmp_path):
+    messages = refused_messages(HandWrittenLM(), torch.randint(0, VOCAB, (4, 16)), tmp_path)
+    assert messages[0] == messages[1]
+    assert ("block(s) [0, 1] of blocks ran without calling torch.nn.functional.scaled_dot_product_attention"
+            in messages[0])
+
+
+def test_hugging_face_eager_attention_is_refused_before_the_processes_start():
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ParallelStrategy(context_parallel=2,
+                        start_method="fork"), max_steps=1, logger=False, enable_checkpointing=False)
+    with pytest.raises(LaunchError, match=r"attn_implementation='eager'.*attn_implementation='sdpa'") as info:
+        trainer.fit(LlamaLM(attention="eager"), DataLoader(TensorDataset(torch.zeros(4, 16, dtype=torch.long))))
+    assert "ParallelStrategy(context_parallel=1)" in str(info.value)
+
+
+def test_context_with_pipeline_parallelism_is_refused_naming_what_works():
+    with pytest.raises(LaunchError, match="context_parallel=2 with pipeline_parallel=2 is not supported") as info:
+        check_layout(ParallelOptions(context_parallel=2, pipeline_parallel=2), 1, 4)
+    assert "strategy.pipeline_parallel=1" in str(info.value) and "strategy.context_parallel=1" in str(info.value)
+
+
+def test_layout_product_counts_the_context_parallel_ranks():
+    assert check_layout(ParallelOptions(context_parallel=2, tensor_parallel=2), 1, 8).dp_size == 2
+    with pytest.raises(LaunchError, match="context_parallel=4 x data_parallel=2 needs 8 processes"):
+        check_layout(ParallelOptions(context_parallel=4, data_parallel=2), 1, 4)
+
+
+def test_causal_masks_are_recognised_and_others_are_not():
+    n = 6
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    assert is_causal_mask(causal, n) and is_causal_mask(causal[None, None].expand(2, 1, n, n), n)
+    additive = torch.zeros(n, n).masked_fill(~causal, float("-inf"))
+    assert is_causal_mask(additive, n)
+    assert is_causal_mask(torch.zeros(n, n).masked_fill(~causal, torch.finfo(torch.float32).min), n)
+    padded = causal.clone()
+    padded[:, -1] = False
+    assert not is_causal_mask(padded, n)
+    assert not is_causal_mask(additive + torch.arange(n).float(), n)  # a bias (ALiBi-like), not a mask
+    assert not is_causal_mask(causal[:, : n // 2], n)  # cut to local keys
