@@ -7,7 +7,10 @@ The strategy owns the process mesh and composes the three parts in a fixed order
    its accelerator, ``init.py``);
 2. tensor parallelism shards the modules named by a plan (``tensor_parallel/``);
 3. pipeline parallelism keeps only this rank's stage (``pipeline/``);
-4. the optimizers are created from what is left, and data parallelism hooks the local parameters
+4. ZeRO-2/3 shards what is left over the data-parallel replicas (``data_parallel/fully_sharded.py``),
+   before a model built on the meta device gets its values, so that each rank materialises only its
+   rows of each parameter;
+5. the optimizers are created from what is left, and data parallelism hooks the local parameters
    (``data_parallel/``).
 
 After each backward window, gradients are finalised in Megatron-LM's order (``gradients.py``).
@@ -71,6 +74,7 @@ from lightning_parallel.compat import (
 )
 from lightning_parallel.data_parallel import GradientSynchronizer
 from lightning_parallel.data_parallel.buffers import BufferBroadcast
+from lightning_parallel.data_parallel.fully_sharded import FullySharded
 from lightning_parallel.data_parallel.zero import ZeroOneSharding
 from lightning_parallel.errors import (
     LaunchError,
@@ -80,7 +84,12 @@ from lightning_parallel.errors import (
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline import PipelineEngine
+from lightning_parallel.pipeline.errors import (
+    PipelineConfigError,
+    PipelineIncompatibleModel,
+)
 from lightning_parallel.pipeline.example import first_batch
+from lightning_parallel.pipeline.partition import find_blocks
 from lightning_parallel.planner import SearchResult
 from lightning_parallel.planner.auto import choose_for
 from lightning_parallel.strategy.clipping import clip_grads_by_global_norm
@@ -179,6 +188,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         self.grad_sync: Optional[GradientSynchronizer] = None
         self.pipeline = None  # pipeline.PipelineEngine when pipeline_parallel > 1
         self.zero: Optional[ZeroOneSharding] = None
+        self.fully_sharded: Optional[FullySharded] = None  # ZeRO-2/3
         self._sync_blocked = False
         self._requeue = DeferredRequeue(None)
         self._unsplit_counts: dict[str, tuple[int, int]] = {}  # parameters per module before the split
@@ -208,6 +218,12 @@ class ParallelStrategy(_LightningParallelStrategy):
     @property
     def is_model_split(self) -> bool:
         return self.options.is_model_split
+
+    @property
+    def splits_parameters(self) -> bool:
+        """Whether a rank holds only part of the model's parameters: a TP shard, a pipeline stage, or
+        (ZeRO-2/3 over several replicas) rows of every parameter."""
+        return self.is_model_split or (self.options.shards_parameters and self._planned_mesh().dp_size > 1)
 
     @property
     def root_device(self) -> torch.device:
@@ -277,7 +293,7 @@ class ParallelStrategy(_LightningParallelStrategy):
                 automatic_optimization=module is None or module.automatic_optimization,
                 loss_scaler=getattr(self.precision_plugin, "scaler", None) is not None,
             )
-            if trainer is not None and self.is_model_split:
+            if trainer is not None and self.splits_parameters:
                 self._refuse_split_model_flags(trainer)
         return mesh
 
@@ -327,21 +343,22 @@ class ParallelStrategy(_LightningParallelStrategy):
         return module is not None and self.is_model_split and not self._has_split(module)
 
     def _refuse_split_model_flags(self, trainer: Any) -> None:
-        """Trainer features that would silently do something else on a split model (TP or PP)."""
-        split = f"tensor_parallel={self.options.tp}, pipeline_parallel={self.options.pp}"
+        """Trainer features that would silently do something else on a split model (TP, PP or ZeRO-2/3)."""
+        split = f"tensor_parallel={self.options.tp}, pipeline_parallel={self.options.pp}" + (
+            f", zero_stage={self.options.zero}" if self.options.shards_parameters else "")
         if any(isinstance(callback, StochasticWeightAveraging) for callback in trainer.callbacks):
             raise LaunchError(
                 f"Trainer(callbacks=[StochasticWeightAveraging(...)]) is not supported with {split}: it averages "
                 "a copy of the whole model taken before the split, and it switches Lightning's backward off and on "
                 "again, which the pipeline relies on. Remove the callback, or average weights with "
-                "DataParallelStrategy (data parallelism only)."
+                "DataParallelStrategy (data parallelism only, zero_stage 0 or 1)."
             )
         if type(self.checkpoint_io) is not TorchCheckpointIO:
             raise LaunchError(
                 f"Trainer(plugins=[{type(self.checkpoint_io).__name__}(...)]) is not supported with {split}: a split "
                 "model writes its checkpoint as a Distributed Checkpoint directory, one file per rank, without a "
                 "CheckpointIO plugin. Remove the plugin (checkpoints are written synchronously), or use it with "
-                "DataParallelStrategy."
+                "DataParallelStrategy (zero_stage 0 or 1)."
             )
 
     # ---- model set-up --------------------------------------------------------------------------
@@ -368,7 +385,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
             self.model = self._apply_layer_sync(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
-            if self.mesh.dp_size > 1:
+            if self.mesh.dp_size > 1 and self.fully_sharded is None:
                 self.grad_sync = GradientSynchronizer(
                     list(module.parameters()), self.mesh.dp_group, self.options.bucket_size_mb, shard=self.options.zero == 1,
                     deferred=shared_across_stages(module, self.pipeline) if self.pipeline is not None else (),
@@ -381,9 +398,9 @@ class ParallelStrategy(_LightningParallelStrategy):
                 self.zero = ZeroOneSharding(self.grad_sync, self.optimizers)
             sequence_parallel = self.options.sequence_parallel and self.options.tp > 1
             self.finalize_gradients = GradientFinalizer(module, self.pipeline, self.grad_sync, self.zero,
-                                                        self.mesh if sequence_parallel else None)
+                                                        self.mesh if sequence_parallel else None, self.fully_sharded)
         self.setup_precision_plugin()
-        if self.is_model_split or self.zero is not None:
+        if self.is_model_split or self.zero is not None or self.fully_sharded is not None:
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -441,14 +458,51 @@ class ParallelStrategy(_LightningParallelStrategy):
             if not on_meta:  # traced where the parameters are (the CPU unless moved just above)
                 example = move_data_to_device(example, next(module.parameters()).device)
             self.pipeline.partition(example, step)
+        if self.options.shards_parameters and self.mesh.dp_size > 1:
+            self._shard_over_replicas(module)
         if on_meta:  # only this rank's stage and shards are ever allocated
             materialize(module, unsplit, self.mesh.tp_rank, self.mesh.tp_size, self.root_device, seed)
         self.model_to_device()
+        if self.fully_sharded is not None:
+            self.fully_sharded.ready()
         if self.pipeline is not None:
             self.pipeline.link.device = self.root_device
-        if self.is_model_split:
+        if self.splits_parameters:
             self._split_module = weakref.ref(module)
             self.parameter_share = measured_share(module, self._unsplit_counts[""][0])
+
+    def _shard_over_replicas(self, module: Any) -> None:
+        """Step 4 of the module docstring: ZeRO-2/3 over the data-parallel group, one unit per block."""
+        self.fully_sharded = FullySharded(module, self._sharding_units(module), self.mesh.device_mesh["dp"],
+                                          self.options.zero, keep_gathered=self.pipeline is not None)
+        if self.pipeline is not None:
+            self.pipeline.replace_parameters(self.fully_sharded.replaced)
+
+    def _sharding_units(self, module: Any) -> list[Any]:
+        """The modules gathered one at a time under ZeRO-3: every module of the type of the model's repeated
+        blocks (those the pipeline splits; a ResNet's bottlenecks of every stage), innermost first. A model
+        without repeated blocks is one unit, gathered for the whole step."""
+        try:
+            path = self.pipeline.plan.blocks_path if self.pipeline is not None else find_blocks(
+                module, self.options.pipeline_blocks)[0]
+        except (PipelineConfigError, PipelineIncompatibleModel):
+            return []
+        kinds = {type(block) for block in module.get_submodule(path) if any(True for _ in block.parameters())}
+        units = [m for m in module.modules() if type(m) in kinds and any(True for _ in m.parameters())]
+        return units[::-1]
+
+    @contextmanager
+    def _gathered(self) -> Generator:
+        """Inside, the root unit's parameters are gathered (ZeRO-2/3); afterwards every parameter is sharded
+        again. Around an evaluation step, a probe, and what runs the user's code outside a training step."""
+        if self.fully_sharded is None:
+            yield
+            return
+        self.fully_sharded.gather_root()
+        try:
+            yield
+        finally:
+            self.fully_sharded.reshard()
 
     def _agree_on_build(self, on_meta: bool) -> None:
         """Refuse, on every rank, a model built on the meta device on some ranks and with values on others
@@ -497,7 +551,7 @@ class ParallelStrategy(_LightningParallelStrategy):
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
         # what lp-export needs to write the module's Hugging Face models from this checkpoint alone
         checkpoint = {**checkpoint, HF_RECORD_KEY: describe_hf_models(self.lightning_module)}
-        if not self.is_model_split:
+        if not self.splits_parameters:
             local = type(self.checkpoint_io) is TorchCheckpointIO and "://" not in str(filepath)
             if not local or storage_options is not None:
                 return super().save_checkpoint(checkpoint, filepath, storage_options)
@@ -507,6 +561,8 @@ class ParallelStrategy(_LightningParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported with a "
                             "split model: it writes a directory of shards itself, without the CheckpointIO plugin")
+        if self.fully_sharded is not None:  # the parameters as the optimizer holds them (an evaluation may gather)
+            self.fully_sharded.reshard()
         save_sharded(self, checkpoint, filepath)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict:
@@ -541,6 +597,8 @@ class ParallelStrategy(_LightningParallelStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._before_forward()
+        if self.fully_sharded is not None:  # freed again at the end of backward
+            self.fully_sharded.gather_root()
         if self.pipeline is None:
             return super().training_step(*args, **kwargs)
         trainer = self.lightning_module.trainer
@@ -559,24 +617,27 @@ class ParallelStrategy(_LightningParallelStrategy):
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         self._before_forward()
-        if self.pipeline is None:
-            return super().validation_step(*args, **kwargs)
-        with self.precision_plugin.val_step_context():
-            return self.pipeline.validation_step(*args, **kwargs)
+        with self._gathered():
+            if self.pipeline is None:
+                return super().validation_step(*args, **kwargs)
+            with self.precision_plugin.val_step_context():
+                return self.pipeline.validation_step(*args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         self._before_forward()
-        if self.pipeline is None:
-            return super().test_step(*args, **kwargs)
-        with self.precision_plugin.test_step_context():
-            return self.pipeline.test_step(*args, **kwargs)
+        with self._gathered():
+            if self.pipeline is None:
+                return super().test_step(*args, **kwargs)
+            with self.precision_plugin.test_step_context():
+                return self.pipeline.test_step(*args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         self._before_forward()
-        if self.pipeline is None:
-            return super().predict_step(*args, **kwargs)
-        with self.precision_plugin.predict_step_context():
-            return self.pipeline.predict_step(*args, **kwargs)
+        with self._gathered():
+            if self.pipeline is None:
+                return super().predict_step(*args, **kwargs)
+            with self.precision_plugin.predict_step_context():
+                return self.pipeline.predict_step(*args, **kwargs)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # Lightning registers its signal handlers after setup; take the requeue one over once
@@ -589,8 +650,8 @@ class ParallelStrategy(_LightningParallelStrategy):
         """Lightning enters this on every batch of an accumulation window but the last."""
         self._sync_blocked = True
         try:
-            if self.grad_sync is not None:
-                with self.grad_sync.no_sync():
+            if self.grad_sync is not None or self.fully_sharded is not None:
+                with (self.grad_sync or self.fully_sharded).no_sync():
                     yield None
             else:
                 yield None
@@ -609,6 +670,8 @@ class ParallelStrategy(_LightningParallelStrategy):
             original = self.zero.original
             clip_grads_by_global_norm(params, float(clip_val), self.mesh, lambda p: counted_once(original[p]),
                                       sharded_over_dp=True)
+        elif self.fully_sharded is not None:
+            clip_grads_by_global_norm(params, float(clip_val), self.mesh, counted_once, sharded_over_dp=True)
         else:
             clip_grads_by_global_norm(params, float(clip_val), self.mesh, counted_once)
 
