@@ -119,15 +119,25 @@ class FullySharded:
         fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
         module.set_reduce_scatter_unused_params(True)
         self.module, self.mesh, self.stage, self.keep_gathered = module, mesh, stage, keep_gathered
-        self.replaced: dict[nn.Parameter, nn.Parameter] = {}
-        for name, new in module.named_parameters(remove_duplicate=False):
-            old = before[name]
-            if new is not old and old not in self.replaced:
-                for key, value in vars(old).items():
-                    new.__dict__.setdefault(key, value)
-                self.replaced[old] = new
+        self.replaced = {before[name]: new for name, new in module.named_parameters(remove_duplicate=False)}
+        self._attributes = {name: dict(vars(old)) for name, old in before.items() if vars(old)}
+        self._keep_attributes()
+        move = module._apply  # ``module.to(device)`` swaps each DTensor parameter's contents and attributes
+
+        def apply_keeping_attributes(*args, **kwargs):
+            result = move(*args, **kwargs)
+            self._keep_attributes()
+            return result
+
+        module._apply = apply_keeping_attributes
         self._params: list = []  # FSDP's records of every parameter, in one order on every replica
         self._used: set = set()  # those that had a gradient in this window on this replica
+
+    def _keep_attributes(self) -> None:
+        """Give the sharded parameters the attributes of those they replaced (``tp_shard``, ...)."""
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            for key, value in self._attributes.get(name, {}).items():
+                param.__dict__.setdefault(key, value)
 
     def ready(self) -> None:
         """Make the LightningModule FSDP's root and watch every group's gradients (all values set)."""
