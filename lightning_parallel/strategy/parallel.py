@@ -42,6 +42,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 
 from lightning_parallel.checkpoint import load_sharded, save_sharded
@@ -75,7 +76,7 @@ from lightning_parallel.compat import (
 from lightning_parallel.data_parallel import GradientSynchronizer
 from lightning_parallel.data_parallel.buffers import BufferBroadcast
 from lightning_parallel.data_parallel.fully_sharded import FullySharded
-from lightning_parallel.data_parallel.zero import ZeroOneSharding
+from lightning_parallel.data_parallel.zero import ZeroOneSharding, refuse_whole_tensor_optimizers
 from lightning_parallel.errors import (
     LaunchError,
     LightningParallelError,
@@ -394,6 +395,8 @@ class ParallelStrategy(_LightningParallelStrategy):
                 # the pipeline runs forward and backward itself, inside training_step
                 set_skip_backward(trainer, True)
             self.setup_optimizers(trainer)
+            if self.fully_sharded is not None:
+                refuse_whole_tensor_optimizers(self.optimizers, self.options.zero)
             if self.grad_sync is not None and self.options.zero == 1:
                 self.zero = ZeroOneSharding(self.grad_sync, self.optimizers)
             sequence_parallel = self.options.sequence_parallel and self.options.tp > 1
@@ -474,9 +477,17 @@ class ParallelStrategy(_LightningParallelStrategy):
     def _shard_over_replicas(self, module: Any) -> None:
         """Step 4 of the module docstring: ZeRO-2/3 over the data-parallel group, one unit per block."""
         self.fully_sharded = FullySharded(module, self._sharding_units(module), self.mesh.device_mesh["dp"],
-                                          self.options.zero, keep_gathered=self.pipeline is not None)
+                                          self.options.zero, keep_gathered=self.pipeline is not None,
+                                          mp_policy=self._gather_policy())
         if self.pipeline is not None:
             self.pipeline.replace_parameters(self.fully_sharded.replaced)
+
+    def _gather_policy(self) -> Optional[MixedPrecisionPolicy]:
+        """Under ``precision="bf16-mixed"`` (or ``"16-mixed"``) ZeRO-2/3 gathers parameters in the precision
+        autocast computes in, halving the bytes gathered and held, and reduces gradients in float32; the
+        optimizer steps float32 shards. Otherwise parameters are gathered and reduced as they are."""
+        low = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(str(self.precision_plugin.precision))
+        return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low is not None else None
 
     def _sharding_units(self, module: Any) -> list[Any]:
         """The modules gathered one at a time under ZeRO-3: every module of the type of the model's repeated
