@@ -76,10 +76,11 @@ def local_slice(param: DTensor) -> tuple[int, int]:
 
 
 def rows_of(rows: torch.Tensor, like: DTensor) -> DTensor:
-    """The DTensor sharded as ``like`` whose local part is ``rows``: this rank's rows (flat or shaped)."""
+    """The DTensor sharded as ``like`` whose local part is ``rows``: this rank's rows (flat or shaped), on
+    ``like``'s device (where ``rows`` are when ``like`` is still on the meta device)."""
     mesh = like.device_mesh
     _, count = shard_rows(like.shape[0], mesh.size(), mesh.get_local_rank())
-    local = rows.reshape(count, *like.shape[1:]).to(like.device)
+    local = rows.reshape(count, *like.shape[1:]).to(rows.device if like.is_meta else like.device)
     return DTensor.from_local(local, mesh, like.placements, shape=like.shape, stride=like.stride(), run_check=False)
 
 
