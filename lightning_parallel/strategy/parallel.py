@@ -408,12 +408,14 @@ class ParallelStrategy(_LightningParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         if self.options.tp > 1 and self.pipeline is None:  # the pipeline probes its own stages
-            refuse_failing_split(self, trainer, self._tp_reference)
+            with self._gathered():  # ZeRO-2/3: the probe's gathers communicate nothing; drop what they gathered
+                refuse_failing_split(self, trainer, self._tp_reference)
         if self._split_check is not None:  # tensor parallelism, pipelined or not
             self.split_verification = check_split_against_whole(self, trainer, self._split_check, self._tp_reference)
             self._split_check = None
         if self.options.tp > 1 and self.pipeline is None:
-            refuse_wrong_split(self, self._tp_reference)
+            with self._gathered():
+                refuse_wrong_split(self, self._tp_reference)
             self._tp_reference = None
         if self.options.broadcast_buffers and self.mesh.dp_size > 1:  # after the probes, whose steps are no real ones
             self.buffer_broadcast = BufferBroadcast(module, self.mesh.dp_group)
