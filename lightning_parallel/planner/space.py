@@ -88,7 +88,7 @@ class Layout:
     micro_batches: int = 1
     schedule: Optional[str] = None
     virtual_stages: int = 1
-    zero: bool = False
+    zero: int = 0  # ZeRO stage: 0 none, 1 optimizer state, 2 and gradients, 3 and parameters
     recompute: bool = False
 
     def describe(self) -> str:
@@ -97,7 +97,7 @@ class Layout:
             chunks = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
             parts.append(f"{self.schedule}{chunks} m={self.micro_batches}")
         if self.zero:
-            parts.append("zero1")
+            parts.append(f"zero{self.zero}")
         if self.recompute:
             parts.append("recompute")
         return " ".join(parts)
@@ -106,7 +106,7 @@ class Layout:
         """The ``ParallelStrategy`` arguments of this layout (activation checkpointing is the model's):
         every option the search may choose, so that none is left as "auto"."""
         chosen = {"tensor_parallel": self.tp, "pipeline_parallel": self.pp, "data_parallel": self.dp,
-                  "zero_stage": int(self.zero), "micro_batches": None, "schedule": "1f1b", "virtual_stages": 1}
+                  "zero_stage": self.zero, "micro_batches": None, "schedule": "1f1b", "virtual_stages": 1}
         if self.pp > 1:
             chosen.update(micro_batches=self.micro_batches, schedule=self.schedule, virtual_stages=self.virtual_stages)
         return chosen
@@ -126,7 +126,7 @@ class Constraints:
     micro_batches: Optional[int] = None
     schedule: Optional[str] = None
     virtual_stages: Optional[int] = None
-    zero: Optional[bool] = None
+    zero: Optional[int] = None
     recompute: tuple[bool, ...] = (False, True)
 
 
@@ -232,10 +232,10 @@ def enumerate_layouts(model: nn.Module, cluster: Cluster, work: Workload,
     return found
 
 
-def _choices(zero: Optional[bool], dp: int) -> tuple[bool, ...]:
+def _choices(zero: Optional[int], dp: int) -> tuple[int, ...]:
     if dp == 1:
-        return (False,)  # nothing to shard the optimizer over
-    return (False, True) if zero is None else (zero,)
+        return (0,)  # nothing to shard over
+    return (0, 1, 2, 3) if zero is None else (zero,)
 
 
 def _split(model: nn.Module, world: int, where: tuple[int, int, int, str], work: Workload, splits: dict):
@@ -267,7 +267,7 @@ def _candidate(model: nn.Module, layout: Layout, replica_batch: int, split, para
     memory = tuple(estimate_memory(
         model, stages, tp_sharded_parameters(assignments), layout.tp, work.seq,
         replica_batch // layout.micro_batches, layout.micro_batches, layout.schedule or "1f1b",
-        work.options.sequence_parallel, work.precision, zero_shards=layout.dp if layout.zero else 1,
+        work.options.sequence_parallel, work.precision, zero_stage=layout.zero, dp=layout.dp,
         recompute=layout.recompute, params=params,
         in_flight=peak_in_flight(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages),
     ))

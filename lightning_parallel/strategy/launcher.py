@@ -12,7 +12,7 @@ The workers train copies of the parent's module; when they finish, the parent's 
 the trained weights, or a ``trainer.validate``/``test``/``predict`` that follows would evaluate
 the untrained model. Lightning's launcher saves rank 0's ``state_dict`` and loads it in the parent,
 which works for data parallelism only: with tensor or pipeline parallelism rank 0 holds one shard
-of one stage. Here every rank writes its pieces as a sharded checkpoint (``checkpoint/``), rank 0
+of one stage, and with ZeRO-2/3 its rows of each parameter. Here every rank writes its pieces as a sharded checkpoint (``checkpoint/``), rank 0
 consolidates them into the full, unsplit state dict, and the parent loads that into its unsplit
 module, checking that it covers every parameter. A parent module on the meta device (built under
 ``trainer.init_module(empty_init=True)``) takes the tensors as they are (``assign``).
