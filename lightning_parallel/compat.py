@@ -177,13 +177,18 @@ def before_fsdp_post_backward(group: Any, hook: Callable[[Any], None]) -> None:
     group.post_backward = post_backward
 
 
-def fsdp_reduce_now(root: nn.Module) -> None:
-    """End FSDP2's backward of every group under ``root`` now: reduce-scatter the gradients accumulated
-    without synchronisation, then run the root's end-of-backward callback (what torch's pipelining does
-    after a stage's last micro-batch, ``_PipelineStageBase.perform_reduce_grad``)."""
+def fsdp_reduces(group: Any) -> bool:
+    """Whether an FSDP2 parameter group reduce-scatters its gradients when its backward ends."""
+    return group.reduce_grads
+
+
+def fsdp_reduce_now(root: nn.Module, groups: list[Any]) -> None:
+    """End FSDP2's backward of ``groups`` (under ``root``) now: reduce-scatter the gradients they
+    accumulated, then run the root's end-of-backward callback (what torch's pipelining does after a
+    stage's last micro-batch, ``_PipelineStageBase.perform_reduce_grad``)."""
     from torch.distributed.fsdp import fully_shard
 
-    for group in fsdp_param_groups(root):
+    for group in groups:
         group.post_backward()
     fully_shard.state(root)._root_post_backward_final_callback()
 

@@ -55,6 +55,7 @@ from lightning_parallel.compat import (
     fsdp_has_unsharded_grad,
     fsdp_param_groups,
     fsdp_reduce_now,
+    fsdp_reduces,
 )
 
 
@@ -131,8 +132,10 @@ class FullySharded:
             return result
 
         module._apply = apply_keeping_attributes
-        self._params: list = []  # FSDP's records of every parameter, in one order on every replica
+        self._groups: list = []  # FSDP's parameter groups, one per unit, in one order on every replica
+        self._params: list = []  # FSDP's records of every parameter, in the same order
         self._used: set = set()  # those that had a gradient in this window on this replica
+        self._reduced: set = set()  # the groups whose gradients left in this window's last backward
 
     def _keep_attributes(self) -> None:
         """Give the sharded parameters the attributes of those they replaced (``tp_shard``, ...)."""
@@ -142,15 +145,17 @@ class FullySharded:
 
     def ready(self) -> None:
         """Make the LightningModule FSDP's root and watch every group's gradients (all values set)."""
-        groups = fsdp_param_groups(self.module)
-        for group in groups:
+        self._groups = fsdp_param_groups(self.module)
+        for group in self._groups:
             before_fsdp_post_backward(group, self._note_gradients)
-        self._params = [fsdp_param for group in groups for fsdp_param in fsdp_group_parameters(group)]
+        self._params = [fsdp_param for group in self._groups for fsdp_param in fsdp_group_parameters(group)]
         if self.keep_gathered:
             self._set_accumulating(True)
 
     def _note_gradients(self, group) -> None:
         self._used.update(p for p in fsdp_group_parameters(group) if fsdp_has_unsharded_grad(p))
+        if fsdp_reduces(group):
+            self._reduced.add(group)
 
     def _set_accumulating(self, accumulating: bool) -> None:
         """Backwards that accumulate whole gradients and keep parameters gathered (or the window's last)."""
@@ -177,13 +182,16 @@ class FullySharded:
 
     def finish(self) -> None:
         """After the window's last backward: reduce-scatter what is left (everything when
-        ``keep_gathered``; the root unit's gradients when no unit's backward ran FSDP's end-of-backward),
-        then drop the gradients of parameters no replica used."""
-        if self.keep_gathered:
-            self._set_accumulating(False)
-        fsdp_reduce_now(self.module)
-        if self.keep_gathered:
-            self._set_accumulating(True)
+        ``keep_gathered``; otherwise nothing, unless no unit ran FSDP's end-of-backward, as for a model that
+        is one root unit), then drop the gradients of parameters no replica used."""
+        pending = [group for group in self._groups if group not in self._reduced]
+        if pending:
+            if self.keep_gathered:
+                self._set_accumulating(False)
+            fsdp_reduce_now(self.module, pending)
+            if self.keep_gathered:
+                self._set_accumulating(True)
+        self._reduced.clear()
         if not self._params:
             return
         used = torch.tensor([p in self._used for p in self._params], dtype=torch.int32,
