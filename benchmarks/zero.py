@@ -9,7 +9,9 @@ For each layout the unchanged default GPT (AdamW) trains a few steps; every rank
   a storage resized in place, as FSDP frees a gathered parameter, counts at its new size). On a CPU
   there is no allocator to ask; this counts what an allocator would have to hold, without its
   caching or fragmentation.
-The largest rank's figures are printed, with their ratio to one rank's. Then steps per second of
+The largest rank's figures are printed, with their ratio to one rank's; the ``pp2`` rows split the
+model into 2 pipeline stages of 4 micro-batches, where ZeRO-3 keeps a stage gathered through the
+step (``FullySharded(keep_gathered=True)``). Then steps per second of
 ZeRO-2 and ZeRO-3 on 2 ranks, on the GPT and on the ResNet-50-shaped module of ``tests/helpers/resnet.py``,
 median of ``--repeats`` runs (timed after the measured step).
 
@@ -51,9 +53,10 @@ from lightning_parallel.models.gpt import GPT, Block  # noqa: E402
 from tests.helpers.resnet import Bottleneck, ResNet, image_data  # noqa: E402
 
 MODELS = {"gpt": (GPT, Block), "resnet": (ResNet, Bottleneck)}
-# name -> (our zero stage, or None for the peer; the peer's resharding after forward)
-LAYOUTS = {"zero0": (0, None), "zero1": (1, None), "zero2": (2, None), "zero3": (3, None),
-           "peer-grad-op": (None, False), "peer-full-shard": (None, True)}
+# name -> (our zero stage, or None for the peer; the peer's resharding after forward; pipeline stages)
+LAYOUTS = {"zero0": (0, None, 1), "zero1": (1, None, 1), "zero2": (2, None, 1), "zero3": (3, None, 1),
+           "peer-grad-op": (None, False, 1), "peer-full-shard": (None, True, 1),
+           "pp2 zero1": (1, None, 2), "pp2 zero3": (3, None, 2)}
 
 
 class LiveBytes(TorchDispatchMode):
@@ -171,12 +174,13 @@ def run_one(args) -> None:
     """One measurement; Lightning starts the other ranks by running this command again."""
     torch.set_num_threads(1)
     model_cls, unit = MODELS[args.model]
-    stage, reshard = LAYOUTS[args.layout]
+    stage, reshard, pp = LAYOUTS[args.layout]
     cuda = torch.cuda.device_count() >= args.world
     if args.world == 1:
         strategy = "auto"
     elif stage is not None:
-        strategy = ParallelStrategy(data_parallel=args.world, zero_stage=stage)
+        strategy = ParallelStrategy(data_parallel=args.world // pp, pipeline_parallel=pp, zero_stage=stage,
+                                    micro_batches=4 if pp > 1 else None)
     elif cuda:
         strategy = FSDPStrategy(auto_wrap_policy={unit}, sharding_strategy="FULL_SHARD" if reshard else "SHARD_GRAD_OP")
     else:
@@ -234,6 +238,9 @@ def main() -> None:
     for layout in LAYOUTS:
         cells = []
         for world in worlds:
+            if LAYOUTS[layout][2] * 2 > world:  # pipelined only where two replicas remain
+                cells.append(f"{'':>22}{'':>18}")
+                continue
             ranks = measure("gpt", layout, world, args.warmup + 1, args.warmup, args.batch_size)
             state, peak = max(r["state"] for r in ranks), max(r["peak"] for r in ranks)
             cells.append(f"{state / 2**20:>14.2f} ({state / one['state']:.2f}){peak / 2**20:>11.2f} ({peak / one['peak']:.2f})")
