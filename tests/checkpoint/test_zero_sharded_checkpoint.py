@@ -27,8 +27,11 @@ from tests.checkpoint.test_checkpoint import (
     half_run,
     train,
 )
-from tests.helpers.parity import assert_close_series, assert_params_close, mean_over_ranks
-
+from tests.helpers.parity import (
+    assert_close_series,
+    assert_params_close,
+    mean_over_ranks,
+)
 
 SAVED_TOL = dict(atol=1e-5, rtol=0.0)
 
