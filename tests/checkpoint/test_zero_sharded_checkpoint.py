@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_parallel.checkpoint.consolidate import main as consolidate_main
 from lightning_parallel.checkpoint.dcp import OPTIMIZER_PREFIX, read_metadata
 from lightning_parallel.checkpoint.tensors import CheckpointTensors
+from lightning_parallel.cli.consolidate import main as consolidate_main
 from tests.checkpoint.test_checkpoint import (
     HALF,
     LOSS_TOL,
