@@ -22,7 +22,7 @@ from tests.helpers.parity import (
     fit_and_record,
     mean_over_ranks,
 )
-from tests.strategy.test_3d import ShardRecorder, gather_records, token_data
+from tests.strategy.test_3d import HFTokens, ShardRecorder, gather_records, token_data
 
 LOSS_TOL = 1e-5
 PARAM_TOL = 5e-5
@@ -33,20 +33,21 @@ def tiny_gpt() -> GPT:
 
 
 def fit_layout(tmp_path, dp: int, tp: int, pp: int, stage: int, schedule: str = "1f1b", callbacks=(),
-               **kwargs) -> list[dict]:
+               model=tiny_gpt, **kwargs) -> list[dict]:
     L.seed_everything(0)
     strategy = ParallelStrategy(data_parallel=dp, tensor_parallel=tp, pipeline_parallel=pp, zero_stage=stage,
                                 micro_batches=4 if pp > 1 else None, schedule=schedule, start_method="fork")
-    recs = fit_and_record(tiny_gpt(), token_data(), batch_size=4, out_dir=str(tmp_path / "run"), devices=dp * tp * pp,
+    recs = fit_and_record(model(), token_data(), batch_size=4, out_dir=str(tmp_path / "run"), devices=dp * tp * pp,
                           strategy=strategy, callbacks=[ShardRecorder(str(tmp_path)), *callbacks], **kwargs)
     for r, rec in enumerate(recs):
         rec["shards"] = torch.load(str(tmp_path / f"shards{r}.pt"), weights_only=False)
     return recs
 
 
-def assert_matches_one_device(tmp_path, recs: list[dict], dp: int, tp: int, pp: int, **kwargs) -> None:
+def assert_matches_one_device(tmp_path, recs: list[dict], dp: int, tp: int, pp: int, model=tiny_gpt,
+                              **kwargs) -> None:
     L.seed_everything(0)
-    ref = fit_and_record(tiny_gpt(), token_data(), batch_size=4 * dp, out_dir=str(tmp_path / "ref"),
+    ref = fit_and_record(model(), token_data(), batch_size=4 * dp, out_dir=str(tmp_path / "ref"),
                          emulate_replicas=dp, **kwargs)[0]
     rank = lambda p, d, t: (p * dp + d) * tp + t  # noqa: E731 - the mesh's order
     # every rank of a pipeline returns its replica's loss: the mean over the replicas is one device's
@@ -87,6 +88,13 @@ def test_zero3_dp2_tp2_pp2_matches_single_device(tmp_path):
 
 # what FSDP2 gathers a unit's parameters with (torch 2.13 renamed all_gather_into_tensor)
 GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+
+
+@pytest.mark.timeout(180)
+def test_zero3_dp2_pp2_hf_llama_matches_single_device(tmp_path):
+    """A model we did not write: the Hugging Face Llama, its decoder layers the units."""
+    recs = fit_layout(tmp_path, dp=2, tp=1, pp=2, stage=3, model=HFTokens, **TRAINING)
+    assert_matches_one_device(tmp_path, recs, dp=2, tp=1, pp=2, model=HFTokens, **TRAINING)
 
 
 class AllGathers(L.Callback):
