@@ -120,7 +120,7 @@ class FullySharded:
         # the root's parameters are gathered by gather_root for the whole step
         fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
         module.set_reduce_scatter_unused_params(True)
-        self.module, self.mesh, self.stage, self.keep_gathered = module, mesh, stage, keep_gathered
+        self.module, self.mesh, self.keep_gathered = module, mesh, keep_gathered
         self.replaced = {before[name]: new for name, new in module.named_parameters(remove_duplicate=False)}
         self._attributes = {name: dict(vars(old)) for name, old in before.items() if vars(old)}
         self._keep_attributes()
