@@ -354,6 +354,12 @@ class ParallelStrategy(_LightningParallelStrategy):
                 "again, which the pipeline relies on. Remove the callback, or average weights with "
                 "DataParallelStrategy (data parallelism only, zero_stage 0 or 1)."
             )
+        if self.options.shards_parameters and self._layer_sync is not None:
+            raise LaunchError(
+                f"Trainer(sync_batchnorm=True) is not supported with {split}: it replaces the BatchNorm layers "
+                "once the model is set up, after ZeRO has sharded their parameters, so the new layers would hold "
+                "the shards. Train with zero_stage 0 or 1 (optimizer state sharded), or without sync_batchnorm."
+            )
         if type(self.checkpoint_io) is not TorchCheckpointIO:
             raise LaunchError(
                 f"Trainer(plugins=[{type(self.checkpoint_io).__name__}(...)]) is not supported with {split}: a split "

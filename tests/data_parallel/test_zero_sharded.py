@@ -200,3 +200,11 @@ def test_zero3_under_bf16_mixed_gathers_bfloat16_reduces_float32_and_tracks_sing
     assert all(p.dtype == torch.float32 for p in recs[0]["params"].values())  # the optimizer steps float32 shards
     for r in range(2):
         assert torch.load(tmp_path / f"dtypes{r}.pt") == {"gathered": torch.bfloat16, "gradient": torch.float32}
+
+
+@pytest.mark.timeout(60)
+def test_zero3_refuses_sync_batchnorm_at_setup(tmp_path):
+    strategy = DataParallelStrategy(start_method="fork", zero_stage=3)
+    with pytest.raises(Exception, match=r"sync_batchnorm=True\) is not supported with .*zero_stage=3.*zero_stage 0 or 1"):
+        fit_and_record(GatedNet(), gated_data(), batch_size=8, out_dir=str(tmp_path), devices=2, strategy=strategy,
+                       max_steps=1, sync_batchnorm=True)
