@@ -13,7 +13,9 @@ The largest rank's figures are printed, with their ratio to one rank's; the ``pp
 model into 2 pipeline stages of 4 micro-batches, where ZeRO-3 keeps a stage gathered through the
 step (``FullySharded(keep_gathered=True)``). Then steps per second of
 ZeRO-2 and ZeRO-3 on 2 ranks, on the GPT and on the ResNet-50-shaped module of ``tests/helpers/resnet.py``,
-median of ``--repeats`` runs (timed after the measured step).
+median of ``--repeats`` runs (timed after the measured step), with the processor time the two ranks
+spent per step: on a machine shared with other work, steps per second vary from run to run by up to
+2x, the processor time much less.
 
 The peer, with the same wrap unit (each transformer block, each ResNet bottleneck, then the rest):
 Lightning's ``FSDPStrategy`` (FSDP1, ``FULL_SHARD`` beside ZeRO-3, ``SHARD_GRAD_OP`` beside ZeRO-2)
@@ -136,7 +138,7 @@ class Measure(L.Callback):
     """Peak bytes during step ``warmup``, steps per second after it, model state at the end."""
 
     def __init__(self, warmup: int, out_dir: str):
-        self.warmup, self.out_dir, self.tracker, self.start = warmup, out_dir, None, None
+        self.warmup, self.out_dir, self.tracker, self.start, self.cpu = warmup, out_dir, None, None, None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.warmup:
@@ -146,12 +148,13 @@ class Measure(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.tracker is not None and self.start is None:
             self.tracker.__exit__(None, None, None)
-            self.start = time.perf_counter()
+            self.start, self.cpu = time.perf_counter(), time.process_time()
 
     def on_train_end(self, trainer, pl_module):
         timed = trainer.global_step - self.warmup - 1
         result = {"state": storage_bytes(model_state(trainer)), "peak": self.tracker.peak,
-                  "steps_per_s": timed / (time.perf_counter() - self.start) if timed > 0 else None}
+                  "steps_per_s": timed / (time.perf_counter() - self.start) if timed > 0 else None,
+                  "cpu_s": (time.process_time() - self.cpu) / timed if timed > 0 else None}
         with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump(result, f)
 
@@ -245,16 +248,19 @@ def main() -> None:
             state, peak = max(r["state"] for r in ranks), max(r["peak"] for r in ranks)
             cells.append(f"{state / 2**20:>14.2f} ({state / one['state']:.2f}){peak / 2**20:>11.2f} ({peak / one['peak']:.2f})")
         print(f"{layout:<16}" + "".join(cells), flush=True)
-    print(f"\nsteps/s on 2 ranks, median of {args.repeats} ({args.steps - args.warmup - 1} timed steps each)")
+    print(f"\n2 ranks, median of {args.repeats} runs of {args.steps - args.warmup - 1} timed steps: steps/s, and "
+          "processor ms per step (both ranks)")
+    pairs = (("zero2", "peer-grad-op"), ("zero3", "peer-full-shard"))
     for model in MODELS:
-        rates = {layout: [] for layout in ("zero2", "peer-grad-op", "zero3", "peer-full-shard")}
+        runs = {layout: [] for pair in pairs for layout in pair}
         for _ in range(args.repeats):  # interleaved, so that drift hits every layout alike
-            for layout in rates:
-                rates[layout].append(measure(model, layout, 2, args.steps, args.warmup, args.batch_size)[0]["steps_per_s"])
-        med = {layout: statistics.median(r) for layout, r in rates.items()}
-        print(f"{model:<8} zero2 {med['zero2']:.2f} vs {med['peer-grad-op']:.2f} "
-              f"({med['zero2'] / med['peer-grad-op']:.2f}x)   zero3 {med['zero3']:.2f} vs "
-              f"{med['peer-full-shard']:.2f} ({med['zero3'] / med['peer-full-shard']:.2f}x)")
+            for layout in runs:
+                runs[layout].append(measure(model, layout, 2, args.steps, args.warmup, args.batch_size))
+        rate = {k: statistics.median(r[0]["steps_per_s"] for r in v) for k, v in runs.items()}
+        cpu = {k: statistics.median(sum(x["cpu_s"] for x in r) * 1e3 for r in v) for k, v in runs.items()}
+        print(f"{model:<8}" + "   ".join(
+            f"{ours} {rate[ours]:.2f} vs {rate[peer]:.2f} steps/s ({rate[ours] / rate[peer]:.2f}x), "
+            f"{cpu[ours]:.0f} vs {cpu[peer]:.0f} ms ({cpu[peer] / cpu[ours]:.2f}x)" for ours, peer in pairs))
     print(f"\n({time.perf_counter() - start:.0f} s)")
 
 
