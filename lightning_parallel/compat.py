@@ -177,6 +177,16 @@ def before_fsdp_post_backward(group: Any, hook: Callable[[Any], None]) -> None:
     group.post_backward = post_backward
 
 
+def fsdp_reshard(group: Any) -> None:
+    """Free an FSDP2 group's gathered parameters and leave it idle, also after a forward that ended by an
+    exception (a pipeline stage ends its forward so): FSDP then keeps the group in its forward state, in
+    which it does not reshard a group that is kept gathered after forward (the root)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    group._training_state = TrainingState.IDLE
+    group.reshard()
+
+
 def fsdp_reduces(group: Any) -> bool:
     """Whether an FSDP2 parameter group reduce-scatters its gradients when its backward ends."""
     return group.reduce_grads

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_parallel.compat import (
@@ -56,6 +56,7 @@ from lightning_parallel.compat import (
     fsdp_param_groups,
     fsdp_reduce_now,
     fsdp_reduces,
+    fsdp_reshard,
 )
 
 
@@ -203,7 +204,7 @@ class FullySharded:
         self._used.clear()
 
     def reshard(self) -> None:
-        """Free every gathered parameter (after an evaluation step, before a checkpoint)."""
-        for module in self.module.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        """Free every gathered parameter (after an evaluation step, before a checkpoint); gradients
+        accumulated in an unfinished window stay."""
+        for group in self._groups:
+            fsdp_reshard(group)

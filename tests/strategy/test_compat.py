@@ -195,3 +195,29 @@ def test_fsdp2_internals_name_groups_and_gradients_and_reduce_on_demand():
     assert seen[:2] == [[True, True], [True, True]]  # the hook sees whole gradients before each group's end
     assert reducing == [False, False] and before == [None] * 4  # accumulated, not yet reduced
     assert after == [True] * 4  # reduce-scattered on demand
+
+
+def _reshard_after_an_aborted_forward(rank, world_size):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from tests.helpers.processes import make_mesh
+
+    mesh = make_mesh(rank, world_size).device_mesh["dp"]
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    model[1].register_forward_pre_hook(lambda *args: (_ for _ in ()).throw(KeyboardInterrupt))  # a stage's exit
+    try:
+        model(torch.ones(3, 4))
+    except KeyboardInterrupt:
+        pass
+    gathered = not isinstance(model[0].weight, DTensor)
+    for group in compat.fsdp_param_groups(model):
+        compat.fsdp_reshard(group)
+    return gathered, isinstance(model[0].weight, DTensor)
+
+
+def test_fsdp2_group_left_mid_forward_is_resharded():
+    from tests.helpers.processes import run_distributed
+
+    assert run_distributed(_reshard_after_an_aborted_forward, 2)[0] == (True, True)

@@ -13,10 +13,13 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 
 from lightning_parallel import ParallelStrategy
 from lightning_parallel.models.gpt import GPT
 from tests.helpers.parity import (
+    ReplicaBatches,
+    _Recorder,
     assert_close_series,
     assert_param_close,
     fit_and_record,
@@ -132,3 +135,33 @@ def test_zero3_under_pp_gathers_each_unit_once_per_step_whatever_the_micro_batch
         fit_layout(tmp_path / f"dp{stage}", dp=2, tp=1, pp=1, stage=stage, callbacks=[AllGathers(str(tmp_path))],
                    max_steps=2)
         assert [torch.load(tmp_path / f"gathers{r}.pt") for r in range(2)] == [[gathers] * 2] * 2
+
+
+def _fit_validating_every_batch(out, devices: int, strategy, loader) -> tuple[list[dict], float]:
+    out.mkdir()
+    L.seed_everything(0)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=3, logger=False,
+                        accumulate_grad_batches=2, val_check_interval=1, gradient_clip_val=0.1,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, callbacks=[_Recorder(str(out))])
+    model, val = tiny_gpt(), DataLoader(token_data(8), batch_size=4)  # one batch per replica
+    trainer.fit(model, loader, val)
+    metrics = trainer.validate(model, val, verbose=False)[0]
+    return [torch.load(out / f"rank{r}.pt") for r in range(devices)], metrics["val_loss"]
+
+
+@pytest.mark.timeout(180)
+def test_zero3_under_pp_validates_inside_an_accumulation_window_and_after_fit_like_one_device(tmp_path):
+    """Validation after every batch falls inside accumulation windows: the stage's gathered parameters are
+    freed for it and gathered again, and the gradients the window accumulated stay. Then a second
+    Trainer call (validate) splits and shards the trained model again."""
+    data = token_data()
+    (ref,), ref_val = _fit_validating_every_batch(tmp_path / "one", 1, "auto",
+                                                   DataLoader(data, batch_sampler=ReplicaBatches(len(data), 2, 4)))
+    strategy = ParallelStrategy(data_parallel=2, pipeline_parallel=2, zero_stage=3, start_method="fork")
+    recs, val = _fit_validating_every_batch(tmp_path / "z3", 4, strategy, DataLoader(data, batch_size=4))
+    assert_close_series(mean_over_ranks(recs[:2]), ref["losses"], atol=LOSS_TOL)  # ranks 0, 1: stage 0's replicas
+    full = {**recs[0]["params"], **recs[2]["params"]}  # stage 0 and stage 1 of replica 0
+    for name, expected in ref["params"].items():
+        assert_param_close(full[name], expected, atol=PARAM_TOL, name=name)
+    assert val == pytest.approx(ref_val, abs=LOSS_TOL)
