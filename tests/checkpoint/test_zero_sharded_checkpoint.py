@@ -112,3 +112,10 @@ def test_one_device_checkpoint_resumes_with_zero3(tmp_path, reference):
     """A plain file (one device, or lp-consolidate's output): each rank cuts its rows from the whole tensors."""
     checkpoint = half_run(tmp_path / "one", devices=1)
     assert_continues(train(tmp_path / "dp2", devices=2, ckpt_path=checkpoint, zero_stage=3), reference)
+
+
+@pytest.mark.timeout(120)
+def test_zero3_pp2_dp2_checkpoint_with_a_tied_head_resumes_on_dp2(tmp_path, reference):
+    """The embedding and the head it is tied to are on two stages, each writing the same rows once."""
+    checkpoint = half_run(tmp_path / "saved", devices=4, pp=2, zero_stage=3)
+    assert_continues(train(tmp_path / "dp2", devices=2, ckpt_path=checkpoint), reference)
