@@ -39,7 +39,7 @@ from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy as _LightningParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -470,6 +470,7 @@ class ParallelStrategy(_LightningParallelStrategy):
                 example = move_data_to_device(example, next(module.parameters()).device)
             self.pipeline.partition(example, step)
         if self.options.shards_parameters and self.mesh.dp_size > 1:
+            self._check_split_before_sharding(module, on_meta)
             self._shard_over_replicas(module)
         if on_meta:  # only this rank's stage and shards are ever allocated
             materialize(module, unsplit, self.mesh.tp_rank, self.mesh.tp_size, self.root_device, seed)
@@ -481,6 +482,23 @@ class ParallelStrategy(_LightningParallelStrategy):
         if self.splits_parameters:
             self._split_module = weakref.ref(module)
             self.parameter_share = measured_share(module, self._unsplit_counts[""][0])
+
+    def _check_split_before_sharding(self, module: Any, on_meta: bool) -> None:
+        """The TP split check (``checks/verify_split.py``) compares split units with whole copies parameter by
+        parameter; under ZeRO-2/3 it runs now, on this rank's stage and shards before their rows are spread
+        over the replicas. A model built on the meta device has no values yet: it is not checked."""
+        if self._split_check is None:
+            return
+        if on_meta:
+            rank_zero_warn("ZeRO-2/3 on a model built on the meta device: its tensor-parallel split is not checked "
+                           "against the whole model (the check needs values before the parameters are sharded)")
+        else:
+            self.model_to_device()
+            if self.pipeline is not None:
+                self.pipeline.link.device = self.root_device
+            self.split_verification = check_split_against_whole(self, attached_trainer(module), self._split_check,
+                                                                self._tp_reference)
+        self._split_check = None
 
     def _shard_over_replicas(self, module: Any) -> None:
         """Step 4 of the module docstring: ZeRO-2/3 over the data-parallel group, one unit per block."""
