@@ -149,6 +149,69 @@ def fake_store() -> Any:
     return FakeStore()
 
 
+# ---- torch's FSDP2 (``fully_shard``): what its public methods do not reach -------------------------
+def fsdp_param_groups(root: nn.Module) -> list[Any]:
+    """Every FSDP2 parameter group under ``root`` (a module ``fully_shard`` wrapped last, above all the
+    others), making ``root`` FSDP's root first: FSDP otherwise takes the first module whose forward runs,
+    and a LightningModule's own forward may never run."""
+    from torch.distributed.fsdp import fully_shard
+
+    state = fully_shard.state(root)
+    state._lazy_init()
+    return [group for s in state._state_ctx.all_states for group in s._fsdp_param_groups]
+
+
+def fsdp_group_parameters(group: Any) -> list[Any]:
+    """The ``FSDPParam`` records of one FSDP2 parameter group (``.sharded_param``: the DTensor parameter)."""
+    return list(group.fsdp_params)
+
+
+def fsdp_has_unsharded_grad(fsdp_param: Any) -> bool:
+    """Whether an ``FSDPParam`` holds a gradient its next reduce-scatter will send."""
+    if not hasattr(fsdp_param, "_unsharded_param"):
+        return False
+    return fsdp_param.unsharded_accumulated_grad is not None or fsdp_param.unsharded_param.grad is not None
+
+
+def before_fsdp_post_backward(group: Any, hook: Callable[[Any], None]) -> None:
+    """Call ``hook(group)`` whenever FSDP2 is about to finish ``group``'s backward (reduce-scatter its
+    gradients, or keep accumulating them): from its autograd node or its root's end-of-backward callback,
+    which both look the method up on the group."""
+    original = group.post_backward
+
+    def post_backward(*args: Any) -> Any:
+        hook(group)
+        return original(*args)
+
+    group.post_backward = post_backward
+
+
+def fsdp_reshard(group: Any) -> None:
+    """Free an FSDP2 group's gathered parameters and leave it idle, also after a forward that ended by an
+    exception (a pipeline stage ends its forward so): FSDP then keeps the group in its forward state, in
+    which it does not reshard a group that is kept gathered after forward (the root)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    group._training_state = TrainingState.IDLE
+    group.reshard()
+
+
+def fsdp_reduces(group: Any) -> bool:
+    """Whether an FSDP2 parameter group reduce-scatters its gradients when its backward ends."""
+    return group.reduce_grads
+
+
+def fsdp_reduce_now(root: nn.Module, groups: list[Any]) -> None:
+    """End FSDP2's backward of ``groups`` (under ``root``) now: reduce-scatter the gradients they
+    accumulated, then run the root's end-of-backward callback (what torch's pipelining does after a
+    stage's last micro-batch, ``_PipelineStageBase.perform_reduce_grad``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for group in groups:
+        group.post_backward()
+    fully_shard.state(root)._root_post_backward_final_callback()
+
+
 def groups_held() -> int:
     """Process groups this rank is a member of (the default group included)."""
     return len(torch.distributed.distributed_c10d._world.pg_names)

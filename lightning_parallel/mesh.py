@@ -350,3 +350,11 @@ class ParallelMesh:
     @property
     def pp_prev_rank(self) -> Optional[int]:
         return None if self.is_first_stage else self.stage_rank(self.pp_rank - 1)
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: the local shard of a DTensor (a parameter or gradient that ZeRO-2/3
+    shards over the ``dp`` dimension), the tensor itself otherwise. Shares its storage."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

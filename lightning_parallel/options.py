@@ -21,7 +21,7 @@ from lightning_parallel.errors import ConfigurationError
 AUTO = "auto"
 # options whose "auto" asks for the planner's search (data_parallel="auto" alone takes the processes left)
 SEARCHED = ("tensor_parallel", "pipeline_parallel", "schedule", "virtual_stages", "zero_stage")
-ZERO_STAGES = (0, 1)
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 def _size(name: str, value: Any, allow_none: bool = False) -> Union[int, str, None]:
@@ -83,8 +83,11 @@ class ParallelOptions:
     """Data-parallel all-reduce bucket size, MiB of gradients."""
 
     zero_stage: Union[int, str] = 0
-    """``1`` shards optimizer state over the data-parallel replicas (ZeRO-1); ``0`` keeps a whole
-    optimizer on every replica; ``"auto"``: the planner chooses."""
+    """What the data-parallel replicas shard among themselves (Rajbhandari et al. 2020): ``0`` nothing;
+    ``1`` optimizer state (ZeRO-1); ``2`` gradients too, parameters gathered once per step; ``3``
+    parameters gathered block by block for forward and again for backward, freed after each. At 2 and 3
+    every rank keeps 1/dp of the parameters between steps (``data_parallel/fully_sharded.py``).
+    ``"auto"``: the planner chooses."""
 
     broadcast_buffers: bool = True
     """As DDP's: before a forward that follows one that synchronised gradients, the data-parallel
@@ -116,7 +119,14 @@ class ParallelOptions:
                 set_(self, "micro_batches", None)
         if self.zero_stage not in (*ZERO_STAGES, AUTO):
             raise ConfigurationError(
-                f"zero_stage must be 0 (off), 1 (shard optimizer state) or 'auto', got {self.zero_stage!r}")
+                "zero_stage must be 0 (off), 1 (shard optimizer state), 2 (and gradients), 3 (and parameters) "
+                f"or 'auto', got {self.zero_stage!r}")
+        if self.zero_stage in (2, 3) and self.context_parallel > 1:
+            raise ConfigurationError(
+                f"zero_stage={self.zero_stage} shards parameters over the data-parallel replicas alone, while "
+                f"context_parallel={self.context_parallel} ranks hold the same parameters and need their gradients "
+                "averaged too; with context parallelism use zero_stage=1 (optimizer state sharded over DP x CP), "
+                "or zero_stage=2/3 without it")
         if self.tp_plan is not None:
             set_(self, "tp_plan", dict(self.tp_plan))
         if self.pipeline_layout is not None:
@@ -151,6 +161,11 @@ class ParallelOptions:
     @property
     def zero(self) -> int:
         return 0 if self.zero_stage == AUTO else int(self.zero_stage)
+
+    @property
+    def shards_parameters(self) -> bool:
+        """ZeRO-2 or 3: each data-parallel rank keeps a shard of the parameters between steps."""
+        return self.zero >= 2
 
     @property
     def schedule_name(self) -> str:

@@ -8,7 +8,8 @@ format, readable by its own tools such as ``format_utils.dcp_to_torch_save``):
   ``exp_avg``, ``exp_avg_sq``: the parameter's global shape; ``step``: a scalar), by the
   parameter's first name in the unsplit model (a weight tied across stages has one entry); under
   ZeRO-1 each data-parallel rank writes, and reads back, only its own slice of those states
-  (``chunks.slice_chunks``), so no rank gathers another's;
+  (``chunks.slice_chunks``), so no rank gathers another's; under ZeRO-2/3 likewise its rows of the
+  parameters themselves and of their states (DTensors: ``data_parallel.fully_sharded.local_slice``);
 - ``lightning_parallel.pp<p>-tp<t>``: what pipeline rank p and TP rank t list of their parameters
   (their place in the unsplit model's order, optimizer groups), used by ``lp-consolidate``.
 
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+from torch.distributed.tensor import DTensor
 
 from lightning_parallel.checkpoint.chunks import Chunk, slice_chunks, tp_chunks
 from lightning_parallel.checkpoint.format import Layout, local_shape
@@ -45,6 +47,7 @@ from lightning_parallel.checkpoint.planner import (
     destination,
     read_items,
 )
+from lightning_parallel.data_parallel.fully_sharded import local_slice
 
 METADATA = ".metadata"
 OPTIMIZER_PREFIX, PIECE_PREFIX = "optimizer.", "lightning_parallel."
@@ -72,13 +75,15 @@ def chunked_state(tensors: dict[str, torch.Tensor], layouts: dict[str, Layout],
 
     An optimizer state shaped like the parameter's local shard is split like the parameter; under
     ZeRO-1, parameter ``name`` in ``slices`` (begin, length) has its state as that range of the
-    flattened local shard (``chunks.slice_chunks``); any other tensor (``step``) is whole on every
-    rank that holds it.
+    flattened local shard (``chunks.slice_chunks``); a DTensor (ZeRO-2/3: a parameter or state sharded
+    over the data-parallel replicas) is its local rows, such a range too; any other tensor (``step``)
+    is whole on every rank that holds it.
     """
     chunked: ChunkedTensors = {}
     for name, tensor in tensors.items():
         shape, shard = layouts[name]
-        chunked[name] = (tensor, shape, tp_chunks(shape, shard, tp_rank, tp_size))
+        chunked[name] = _rows(tensor, shape, shard, tp_rank, tp_size) if isinstance(tensor, DTensor) else (
+            tensor, shape, tp_chunks(shape, shard, tp_rank, tp_size))
     objects: dict[str, Any] = {}
     for index, named in enumerate(optimizers):
         for name, state in named["state"].items():
@@ -87,6 +92,8 @@ def chunked_state(tensors: dict[str, torch.Tensor], layouts: dict[str, Layout],
                 fqn = optimizer_key(index, name, key)
                 if not isinstance(value, torch.Tensor):
                     objects[fqn] = value
+                elif isinstance(value, DTensor):
+                    chunked[fqn] = _rows(value, shape, shard, tp_rank, tp_size)
                 elif name in slices and tuple(value.shape) == (slices[name][1],):
                     chunked[fqn] = (value, shape, slice_chunks(shape, shard, tp_rank, tp_size, *slices[name]))
                 elif shard is not None and tuple(value.shape) == local_shape(shape, shard, tp_size):
@@ -94,6 +101,12 @@ def chunked_state(tensors: dict[str, torch.Tensor], layouts: dict[str, Layout],
                 else:
                     chunked[fqn] = (value, tuple(value.shape), tp_chunks(tuple(value.shape), None, 0, 1))
     return chunked, objects
+
+
+def _rows(tensor: DTensor, shape: tuple[int, ...], shard: Any, tp_rank: int, tp_size: int
+          ) -> tuple[torch.Tensor, tuple[int, ...], list[Chunk]]:
+    """The local rows of a DTensor sharded over the data-parallel replicas, as chunks of the global tensor."""
+    return tensor.to_local(), shape, slice_chunks(shape, shard, tp_rank, tp_size, *local_slice(tensor))
 
 
 def save_chunks(folder: Path, tensors: ChunkedTensors, objects: dict[str, Any]) -> list[str]:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from lightning_parallel.checkpoint import dcp
 from lightning_parallel.checkpoint.atomic import (
@@ -47,6 +48,11 @@ from lightning_parallel.checkpoint.format import (
     saved_shapes,
     shape_mismatches,
     unexpected,
+)
+from lightning_parallel.data_parallel.fully_sharded import (
+    local_slice,
+    rows_of,
+    sharded_like,
 )
 from lightning_parallel.data_parallel.zero import configured_param_groups
 
@@ -170,10 +176,11 @@ def save_sharded(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> No
 
 
 def _zero_slices(strategy: Any, names: dict[int, str]) -> dict[str, tuple[int, int]]:
-    """Under ZeRO-1, ``name -> (begin, length)`` of this rank's slice of every sharded parameter."""
-    if strategy.zero is None:
-        return {}
-    return {names[id(p)]: where for p, where in strategy.zero.slices().items()}
+    """Under ZeRO, ``name -> (begin, length)`` of this rank's slice of every sharded parameter (of its
+    flattened TP shard): ZeRO-1's slices of the optimizer state, ZeRO-2/3's rows of the parameter."""
+    if strategy.zero is not None:
+        return {names[id(p)]: where for p, where in strategy.zero.slices().items()}
+    return {names[id(p)]: local_slice(p) for p in strategy.lightning_module.parameters() if isinstance(p, DTensor)}
 
 
 def _slices_written_elsewhere(strategy: Any, names: dict[int, str], param_layouts: dict[str, Any]) -> set[str]:
@@ -312,17 +319,20 @@ def load_sharded(strategy: Any, filepath: Any, weights_only: Optional[bool] = No
     tp_rank, tp_size = mesh.tp_rank, mesh.tp_size
     param_layouts = _parameter_layouts(module, names, layouts)
     with_optimizers = bool(strategy.optimizers and saved_optimizers)
+    # ZeRO-2/3: what is sharded over the data-parallel replicas, by state-dict name and by parameter name
+    rows = {n: t for n, t in local.items() if isinstance(t, DTensor)}
+    rows.update((names[id(p)], p) for p in module.parameters() if isinstance(p, DTensor))
     if dcp.is_dcp_checkpoint(path):
         state_dict, optimizer_states = _read_dcp(path, metadata, strategy, [n for n in local if n in saved], layouts,
                                                  param_layouts, local_names if with_optimizers else [],
-                                                 saved_optimizers, _zero_slices(strategy, names))
+                                                 saved_optimizers, _zero_slices(strategy, names), rows)
     else:
-        state_dict = {
-            n: local_tensor(full_tensor(n, pieces), layouts[n][1], tp_rank, tp_size) for n in local if n in saved
-        }
+        state_dict = {n: local_tensor(full_tensor(n, pieces), layouts[n][1], tp_rank, tp_size)
+                      for n in local if n in saved}
+        state_dict.update((n, sharded_like(t, rows[n])) for n, t in state_dict.items() if n in rows)
         saved_layouts = {n: layout for p in pieces for n, layout in p.layouts.items()}
         optimizer_states = [
-            _local_optimizer(i, pieces, group_names, param_layouts, saved_layouts, tp_rank, tp_size)
+            _local_optimizer(i, pieces, group_names, param_layouts, saved_layouts, tp_rank, tp_size, rows)
             for i, group_names in enumerate(local_names if with_optimizers else [])
         ]
     checkpoint = {**meta, "state_dict": state_dict}
@@ -356,21 +366,28 @@ def _agree_on_problems(problems: list[str], path: Path, device: torch.device) ->
 
 def _read_dcp(path: Path, metadata: Any, strategy: Any, tensor_names: list[str], layouts: dict[str, Any],
               param_layouts: dict[str, Any], local_names: list[list[list[str]]],
-              saved_optimizers: list[dict[str, Any]], slices: dict[str, tuple[int, int]]
+              saved_optimizers: list[dict[str, Any]], slices: dict[str, tuple[int, int]], rows: dict[str, DTensor]
               ) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
     """This rank's tensors and the torch state dict of each optimizer, read from the chunks it needs.
 
     Under ZeRO-1 a parameter in ``slices`` gets only this rank's slice of its parameter-shaped
-    states, read by this rank alone; everything else its data-parallel replicas need too, so they
-    share the reads."""
+    states, read by this rank alone; under ZeRO-2/3 a tensor or parameter in ``rows`` (by name: the
+    DTensor it is sharded like) likewise its rows, itself and its states. Everything else its
+    data-parallel replicas need too, so they share the reads."""
     mesh = strategy.mesh
     tp_rank, tp_size = mesh.tp_rank, mesh.tp_size
-    targets = {n: dcp.local_target(metadata, n, layouts[n], tp_rank, tp_size) for n in tensor_names}
-    state_dict = {n: targets[n][0] for n in tensor_names}
+    own: dcp.ChunkedTensors = {}  # ZeRO slices
+    targets = {}
+    for n in tensor_names:
+        if n in rows:
+            own[n] = dcp.slice_target(metadata, n, layouts[n], tp_rank, tp_size, *local_slice(rows[n]))
+        else:
+            targets[n] = dcp.local_target(metadata, n, layouts[n], tp_rank, tp_size)
+    state_dict = {n: (own if n in rows else targets)[n][0] for n in tensor_names}
     entries = dcp.optimizer_entries(metadata)
     states: list[dict[str, dict[str, Any]]] = []
-    own: dcp.ChunkedTensors = {}  # ZeRO-1 slices
     objects: list[tuple[dict[str, Any], str, str]] = []  # (state, key, DCP key) of non-tensor values
+    sharded: list[tuple[dict[str, Any], str, DTensor]] = []  # (state, key, like) of ZeRO-2/3 rows
     for index, group_names in enumerate(local_names):
         state: dict[str, dict[str, Any]] = {}
         for name in (n for group in group_names for n in group):
@@ -382,6 +399,8 @@ def _read_dcp(path: Path, metadata: Any, strategy: Any, tensor_names: list[str],
                 elif name in slices and tuple(md.size) == tuple(param_layouts[name][0]):
                     own[fqn] = dcp.slice_target(metadata, fqn, param_layouts[name], tp_rank, tp_size, *slices[name])
                     entry[key] = own[fqn][0]
+                    if name in rows:
+                        sharded.append((entry, key, rows[name]))
                 else:
                     targets[fqn] = dcp.local_target(metadata, fqn, param_layouts[name], tp_rank, tp_size)
                     entry[key] = targets[fqn][0]
@@ -391,6 +410,9 @@ def _read_dcp(path: Path, metadata: Any, strategy: Any, tensor_names: list[str],
     dcp.read_chunks(path, metadata, own, [])
     for entry, key, fqn in objects:
         entry[key] = values[fqn]
+    state_dict.update((n, rows_of(t, rows[n])) for n, t in state_dict.items() if n in rows)
+    for entry, key, like in sharded:
+        entry[key] = rows_of(entry[key], like)
     optimizer_states = [index_optimizer_state(saved_optimizers[i], state, local_names[i])
                         for i, state in enumerate(states)]
     return state_dict, optimizer_states
@@ -408,11 +430,17 @@ def _optimizer_mismatches(saved: list[dict[str, Any]], local_names: list[list[li
 
 
 def _local_optimizer(index: int, pieces: list[Piece], group_names: list[list[str]], layouts: dict[str, Any],
-                     saved_layouts: dict[str, Any], tp_rank: int, tp_size: int) -> dict[str, Any]:
-    """Optimizer ``index``'s torch state dict for this rank, each state cut like its parameter."""
+                     saved_layouts: dict[str, Any], tp_rank: int, tp_size: int,
+                     rows: dict[str, DTensor]) -> dict[str, Any]:
+    """Optimizer ``index``'s torch state dict for this rank, each state cut like its parameter (also over
+    the data-parallel replicas where ``rows`` gives the parameter sharded so)."""
     state = {}
     for name in (n for group in group_names for n in group if n in saved_layouts):
         shape, shard = layouts[name]
         full = full_optimizer_state(name, index, pieces, saved_layouts[name])
         state[name] = local_optimizer_state(full, shape, shard, tp_rank, tp_size)
+        if name in rows:
+            like = rows[name]
+            state[name] = {key: sharded_like(v, like) if isinstance(v, torch.Tensor) and v.shape == like.shape else v
+                           for key, v in state[name].items()}
     return index_optimizer_state(pieces[0].optimizers[index], state, group_names)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_parallel.errors import Fix, LaunchError
+from lightning_parallel.mesh import local_part
 from lightning_parallel.pipeline.partition import StagePlan
 from lightning_parallel.planner.estimate import (
     parameters_per_rank,
@@ -70,8 +71,9 @@ def planned_share(model: nn.Module, assignments: list, tp: int, stages: Optional
 
 
 def measured_share(module: nn.Module, whole: int) -> Share:
-    """What the ranks hold after the split (collective: every rank calls it)."""
-    held = sum(p.numel() for p in module.parameters())
+    """What the ranks hold after the split (collective: every rank calls it); of a parameter sharded over
+    the data-parallel replicas (ZeRO-2/3), this rank's rows."""
+    held = sum(local_part(p).numel() for p in module.parameters())
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, held)
     rank = max(range(len(every)), key=every.__getitem__)

@@ -122,7 +122,8 @@ def build_plan(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> LaunchPl
         memory = estimate_memory(
             model, stages, tp_sharded_parameters(assignments), mesh.tp_size, seq, batch // micro_batches,
             micro_batches, options.schedule_name, options.sequence_parallel,
-            cfg.trainer.precision, context_parallel=mesh.cp_size,
+            cfg.trainer.precision, zero_stage=options.zero, dp=mesh.dp_size * mesh.cp_size,
+            context_parallel=mesh.cp_size,
         )
     accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1))
     return LaunchPlan(

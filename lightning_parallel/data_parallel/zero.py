@@ -42,6 +42,21 @@ _WHOLE_TENSOR_OPTIMIZERS = tuple(
     getattr(torch.optim, name) for name in ("Adafactor", "LBFGS") if hasattr(torch.optim, name)  # Adafactor: torch 2.5
 )
 
+
+def refuse_whole_tensor_optimizers(optimizers: list[torch.optim.Optimizer], stage: int) -> None:
+    """Refuse optimizers whose update of a parameter depends on the whole tensor: under ZeRO they see a
+    part of it (stage 1: 1-D slices; stages 2 and 3: rows), and would step differently from one device."""
+    for optimizer in optimizers:
+        optimizer = unwrap_optimizer(optimizer)
+        if isinstance(optimizer, _WHOLE_TENSOR_OPTIMIZERS):
+            part = "1-D slices" if stage == 1 else "row shards"
+            raise ValueError(
+                f"zero_stage={stage} steps {type(optimizer).__name__} on {part} of the parameters, but it computes "
+                "statistics over whole tensors, so the update would differ from one device; train it with "
+                "zero_stage=0, or use an elementwise optimizer such as AdamW"
+            )
+
+
 # optimizer -> its parameter groups as configured, before ZeRO-1 replaced them with pieces
 _CONFIGURED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[list[nn.Parameter]]]" = weakref.WeakKeyDictionary()
 
@@ -104,13 +119,8 @@ class ZeroOneSharding:
         # the pieces as a module, for code that walks a module's parameters (sequence-parallel sync)
         self.holder = nn.Module()
         self.holder.pieces = nn.ParameterList([record.piece for record in self.pieces])
+        refuse_whole_tensor_optimizers(optimizers, 1)
         for optimizer in optimizers:
-            if isinstance(optimizer, _WHOLE_TENSOR_OPTIMIZERS):
-                raise ValueError(
-                    f"zero_stage=1 steps {type(optimizer).__name__} on 1-D slices of the parameters, but it computes "
-                    "statistics over whole tensors, so the update would differ from one device; train it with "
-                    "zero_stage=0, or use an elementwise optimizer such as AdamW"
-                )
             if optimizer.state:
                 raise RuntimeError("ZeRO-1 must shard an optimizer before its first step")
             _CONFIGURED[optimizer] = [list(group["params"]) for group in optimizer.param_groups]

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_parallel.compat import autograd_engine, tree_map
-from lightning_parallel.mesh import ParallelMesh
+from lightning_parallel.mesh import ParallelMesh, local_part
 from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline.backward_split import SplitUnsupported, backward_input
 from lightning_parallel.pipeline.broadcast import broadcast_object
@@ -324,17 +324,30 @@ class PipelineEngine:
     def predict_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
         return self._run(self.module.predict_step, batch, (batch_idx, *args), None)
 
+    @torch.no_grad()
     def sync_tied_grads(self) -> None:
         """Sum the gradients of parameters held by several stages over those stages.
 
         A stage that did not use such a parameter contributes zeros; if no stage produced a
-        gradient it stays ``None``, as on one device (optimizers then skip it).
+        gradient it stays ``None``, as on one device (optimizers then skip it). A parameter sharded
+        over the data-parallel replicas (ZeRO-2/3) is summed shard by shard: every stage of a
+        pipeline shards it alike.
         """
         for param, group, _ in self.tied:
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            grad = local_part(param.grad) if param.grad is not None else torch.zeros_like(local_part(param))
             flat = torch.cat([grad.reshape(-1), torch.ones(1, dtype=grad.dtype, device=grad.device) * (param.grad is not None)])
             dist.all_reduce(flat, group=group)
-            param.grad = flat[:-1].view_as(param) if flat[-1] > 0 else None
+            if flat[-1] == 0:
+                param.grad = None
+                continue
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            local_part(param.grad).copy_(flat[:-1].view_as(grad))
+
+    def replace_parameters(self, replaced: dict[nn.Parameter, nn.Parameter]) -> None:
+        """Name ``replaced[p]`` wherever the engine named ``p`` (ZeRO-2/3 replaces the stage's parameters
+        by sharded ones after ``partition``)."""
+        self.tied = [(replaced.get(param, param), group, ranks) for param, group, ranks in self.tied]
 
     def is_counted_once(self, param: nn.Parameter) -> bool:
         """Whether this rank counts ``param`` in a global gradient norm (tied copies count once)."""

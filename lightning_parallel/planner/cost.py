@@ -20,11 +20,11 @@ sequence) divides the blocks' compute and activations by ``cp`` but not the embe
 which run on the whole sequence on every CP rank; its ring moves each layer's keys and values
 ``cp - 1`` times forward, and again with their float32 gradients (``cp`` times) backward, plus one
 all-gather of the last block's output, charged without overlap with compute (an upper bound; ring
-attention overlaps them). The data-parallel gradient all-reduce
-(with ZeRO-1 the same bytes as a reduce-scatter and an all-gather) follows the pipeline flush with
-no overlap credited, which is exact for a contended CPU and an upper bound on a GPU; it spans the DP
-and CP ranks. The optimizer step updates the parameters a device holds (a ``1 / (DP x CP)`` share
-under ZeRO-1) at the calibrated
+attention overlaps them). The data-parallel gradient all-reduce over the DP and CP ranks (with ZeRO
+a reduce-scatter and all-gathers: the same bytes at stages 1 and 2, 1.5x at stage 3 without
+pipelining, which gathers every block twice) follows the pipeline flush with no overlap credited,
+which is exact for a contended CPU and an upper bound on a GPU. The optimizer step updates the
+parameters a device holds (a ``1 / (DP x CP)`` share under ZeRO) at the calibrated
 AdamW rate. When the
 devices are processes sharing CPU cores (``Cluster.shared_compute``) a waiting rank's core runs
 another rank, so the step is a rank's work (stages at their mean cost) and the bubble costs no time.
@@ -172,12 +172,16 @@ def predict(candidate: Candidate, work: StageWork, dims: TransformerDims, cluste
         if cluster.shared_compute:  # the idle ranks' cores run the busy ones: only the work counts
             pipeline_time = per_rank * (f_cost + b_cost + w_cost)
 
-    # data parallelism: every gradient this device holds, once per step; ZeRO-1 moves the same
-    # bytes as a reduce-scatter of gradients and an all-gather of parameters
+    # data parallelism: every gradient this device holds, once per step. With ZeRO a reduce-scatter of
+    # the gradients and an all-gather of the parameters each move half an all-reduce's bytes; ZeRO-2/3
+    # gather in the precision they compute in, and ZeRO-3 without pipelining twice (for the forward and
+    # again for the backward): 1.5x plain DP's bytes in float32
     held = max(m.params for m in candidate.memory)
     dp_across = _crosses_nodes(mesh.dp_cp_groups()[0], cluster.devices_per_node)
     dp_bandwidth = rates.inter_bandwidth if dp_across else rates.intra_bandwidth
-    dp_bytes = held * (g_bytes + p_bytes) / 2 if lay.zero else held * g_bytes
+    gathered = min(p_bytes, a_bytes) if lay.zero >= 2 else p_bytes
+    gathers = 2 if lay.zero == 3 and lay.pp == 1 else 1
+    dp_bytes = held * (g_bytes + gathers * gathered) / 2 if lay.zero else held * g_bytes
     buckets = math.ceil(held * g_bytes / BUCKET_BYTES)
     dp_time, dp_through = ring_allreduce(dp_bytes, lay.dp * cp, dp_bandwidth, rates.latency * buckets)
     optimizer = held / (lay.dp * cp if lay.zero else 1) / rates.optimizer

@@ -13,8 +13,14 @@ bytes for 16-bit activations::
 scaled by ``activation bytes / 2`` for other precisions. With activation checkpointing of every
 layer (``recompute``) a layer keeps only its input, ``s*b*h`` elements (``/t`` with sequence
 parallelism), and one layer's full activations exist again while its backward runs (Korthikanti
-et al. 2022, §4). ZeRO-1 (Rajbhandari et al. 2020, arXiv 1910.02054) divides the optimizer state
-by the data-parallel size (``zero_shards``). A rank keeps as many micro-batches in
+et al. 2022, §4). ZeRO (Rajbhandari et al. 2020, arXiv 1910.02054; ``zero_stage`` over ``dp``
+replicas) divides the optimizer state by ``dp`` from stage 1 on. From stage 2 on each rank keeps
+``1/dp`` of the parameters and gradients, and holds whole what a step gathers
+(``data_parallel/fully_sharded.py``), in the precision it computes in (bfloat16 under
+``bf16-mixed``): at stage 2 every parameter, with one block's whole gradients at a time; at stage 3
+the parameters outside the blocks and two blocks (the one computing and the one gathered next),
+with one block's whole gradients. Under pipeline parallelism stages 2 and 3 keep the stage's
+parameters and gradients whole through the step (ZeRO-1's peak, plus the shards). A rank keeps as many micro-batches in
 flight as the schedule simulator counts (``min(P - r, M)`` for 1F1B, ``M`` for GPipe). The last
 stage also holds the logits and their gradient in float32 (``8*s*b*V/t`` bytes). Context
 parallelism (``context_parallel=c``) gives each rank ``s/c`` of the queries against all ``s`` keys,
@@ -171,7 +177,8 @@ def estimate_memory(
     schedule: str,
     sequence_parallel: bool,
     precision,
-    zero_shards: int = 1,
+    zero_stage: int = 0,
+    dp: int = 1,
     recompute: bool = False,
     params: list[int] | None = None,
     in_flight: list[int] | None = None,
@@ -208,6 +215,28 @@ def estimate_memory(
             if rank == stages.rank_of_stage(stages.num_stages - 1):
                 act += 8 * seq * micro_batch * dims.vocab / tp
         n = params[rank]
-        result.append(RankMemory(rank, blocks, n, n * p_bytes, n * g_bytes, n * o_bytes / zero_shards, act,
-                                 in_flight[rank]))
+        param_bytes, grad_bytes = _zero_peak(n, _block_elements(model, stages, blocks, tp_sharded, tp), zero_stage,
+                                             dp, pp > 1, p_bytes, g_bytes, min(p_bytes, a_bytes))
+        result.append(RankMemory(rank, blocks, n, param_bytes, grad_bytes, n * o_bytes / (dp if zero_stage else 1),
+                                 act, in_flight[rank]))
     return result
+
+
+def _block_elements(model: nn.Module, stages: StagePlan, blocks: tuple[int, ...], tp_sharded: set[int],
+                    tp: int) -> list[int]:
+    """Parameter elements of each of ``blocks`` on one device (TP-sharded weights divided by ``tp``)."""
+    layers = model.get_submodule(stages.blocks_path)
+    return [sum(p.numel() // tp if id(p) in tp_sharded else p.numel() for p in layers[i].parameters()) for i in blocks]
+
+
+def _zero_peak(n: int, blocks: list[int], stage: int, dp: int, pipelined: bool, p_bytes: int, g_bytes: int,
+               gathered_bytes: int) -> tuple[float, float]:
+    """Parameter and gradient bytes at a step's peak of a device holding ``n`` elements, ``blocks`` of them
+    in its blocks, at ZeRO ``stage`` over ``dp`` replicas: its shards, and what the step gathers."""
+    if stage < 2 or dp == 1:
+        return n * p_bytes, n * g_bytes
+    if pipelined:  # gathered once per step and kept, gradients accumulated whole
+        return n / dp * p_bytes + n * gathered_bytes, n * g_bytes
+    largest = max(blocks, default=0)
+    gathered = n if stage == 2 else n - sum(blocks) + 2 * largest
+    return n / dp * p_bytes + gathered * gathered_bytes, (n / dp + largest) * g_bytes

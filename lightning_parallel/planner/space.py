@@ -90,7 +90,7 @@ class Layout:
     micro_batches: int = 1
     schedule: Optional[str] = None
     virtual_stages: int = 1
-    zero: bool = False
+    zero: int = 0  # ZeRO stage: 0 none, 1 optimizer state, 2 and gradients, 3 and parameters
     recompute: bool = False
     cp: int = 1
 
@@ -100,7 +100,7 @@ class Layout:
             chunks = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
             parts.append(f"{self.schedule}{chunks} m={self.micro_batches}")
         if self.zero:
-            parts.append("zero1")
+            parts.append(f"zero{self.zero}")
         if self.recompute:
             parts.append("recompute")
         return " ".join(parts)
@@ -109,7 +109,7 @@ class Layout:
         """The ``ParallelStrategy`` arguments of this layout (activation checkpointing is the model's):
         every option the search may choose, so that none is left as "auto"."""
         chosen = {"tensor_parallel": self.tp, "pipeline_parallel": self.pp, "data_parallel": self.dp,
-                  "context_parallel": self.cp, "zero_stage": int(self.zero), "micro_batches": None,
+                  "context_parallel": self.cp, "zero_stage": self.zero, "micro_batches": None,
                   "schedule": "1f1b", "virtual_stages": 1}
         if self.pp > 1:
             chosen.update(micro_batches=self.micro_batches, schedule=self.schedule, virtual_stages=self.virtual_stages)
@@ -130,7 +130,7 @@ class Constraints:
     micro_batches: Optional[int] = None
     schedule: Optional[str] = None
     virtual_stages: Optional[int] = None
-    zero: Optional[bool] = None
+    zero: Optional[int] = None
     recompute: tuple[bool, ...] = (False, True)
     cp: int = 1  # context parallelism is asked for, never searched
 
@@ -231,17 +231,20 @@ def enumerate_layouts(model: nn.Module, cluster: Cluster, work: Workload,
                     assignments, stages = split
                     held[placed] = parameters_per_rank(model, stages, tp_sharded_parameters(assignments), tp)
                 base = Layout(tp, pp, dp, micro_batches, schedule, chunks, cp=cp)
-                for zero in _choices(fixed.zero, dp * cp):
+                for zero in _choices(fixed.zero, dp * cp, cp):
                     for recompute in fixed.recompute:
                         layout = replace(base, zero=zero, recompute=recompute)
                         found.append(_candidate(model, layout, replica_batch, split, held[placed], work))
     return found
 
 
-def _choices(zero: Optional[bool], replicas: int) -> tuple[bool, ...]:
+def _choices(zero: Optional[int], replicas: int, cp: int) -> tuple[int, ...]:
+    """ZeRO stages to try over ``replicas`` (DP x CP) ranks: ZeRO-2/3 shard over DP alone and are not
+    composed with context parallelism."""
     if replicas == 1:
-        return (False,)  # nothing to shard the optimizer over (the DP x CP ranks hold the same parameters)
-    return (False, True) if zero is None else (zero,)
+        return (0,)  # nothing to shard over (the DP x CP ranks hold the same parameters)
+    stages = (0, 1) if cp > 1 else (0, 1, 2, 3)
+    return stages if zero is None else tuple(s for s in (zero,) if s in stages)
 
 
 def _split(model: nn.Module, world: int, where: tuple[int, int, int, str], work: Workload, splits: dict,
@@ -276,7 +279,7 @@ def _candidate(model: nn.Module, layout: Layout, replica_batch: int, split, para
     memory = tuple(estimate_memory(
         model, stages, tp_sharded_parameters(assignments), layout.tp, work.seq,
         replica_batch // layout.micro_batches, layout.micro_batches, layout.schedule or "1f1b",
-        work.options.sequence_parallel, work.precision, zero_shards=layout.dp * layout.cp if layout.zero else 1,
+        work.options.sequence_parallel, work.precision, zero_stage=layout.zero, dp=layout.dp * layout.cp,
         recompute=layout.recompute, params=params,
         in_flight=peak_in_flight(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages),
         context_parallel=layout.cp,

@@ -7,7 +7,9 @@ sum over TP shards and pipeline stages of local squared norms, where a parameter
 ranks (a LayerNorm weight) is counted on TP rank 0 only and a weight tied between two stages on one
 of them only (Megatron-LM's ``param_is_not_tensor_parallel_duplicate`` rule, Shoeybi et al. 2019).
 Data-parallel replicas (and context-parallel ranks) hold identical gradients after the all-reduce,
-so no DP reduction is needed, except under ZeRO-1, where each holds a slice.
+so no DP reduction is needed; under ZeRO each replica holds a disjoint part (ZeRO-1's slices of the
+DP x CP group, ZeRO-2/3's DTensor shards: their local parts are used), so the squared norms are
+summed over that group too.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from lightning_parallel.mesh import ParallelMesh
+from lightning_parallel.mesh import ParallelMesh, local_part
 
 
 def global_grad_norm(
@@ -32,7 +34,7 @@ def global_grad_norm(
         params: this rank's parameters (those without a gradient are ignored).
         mesh: the process mesh.
         counted_once: ``False`` for a local parameter whose gradient another stage also holds and counts.
-        sharded_over_dp: the parameters are disjoint slices per rank of the DP x CP group (ZeRO-1).
+        sharded_over_dp: the parameters are disjoint parts per data-parallel rank (ZeRO-1 over DP x CP, 2, 3).
     """
     params = list(params)
     total = None
@@ -41,7 +43,7 @@ def global_grad_norm(
             continue
         if getattr(p, "tp_shard", None) is None and mesh.tp_size > 1 and mesh.tp_rank != 0:
             continue  # replicated over TP: TP rank 0 counts it
-        sq = p.grad.detach().float().pow(2).sum()
+        sq = local_part(p.grad).detach().float().pow(2).sum()
         total = sq if total is None else total + sq
     if total is None:
         total = torch.zeros((), device=params[0].device if params else "cpu")
@@ -70,5 +72,5 @@ def clip_grads_by_global_norm(
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:
-            p.grad.detach().mul_(coef.to(p.grad.dtype))
+            local_part(p.grad).detach().mul_(coef.to(p.grad.dtype))
     return norm

@@ -22,6 +22,11 @@ under pipeline parallelism, after the window's last backward otherwise). The ord
 
 Steps 1, 2 and 4 are sums or means over different groups of ranks, so they would commute on whole
 gradients; the order matters only because of ZeRO-1's slicing.
+
+Under ZeRO-2/3 (``data_parallel.fully_sharded``) step 2 comes first: the whole gradients exist only
+until FSDP reduce-scatters them, during backward or (pipelined) when the window ends. Every stage of
+a pipeline shards a tied weight alike, so step 1 then sums the shards, and step 4 likewise over the
+TP ranks; a sum of means is the mean of sums.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any, Iterator, Optional
 from torch import nn
 
 from lightning_parallel.data_parallel import GradientSynchronizer
+from lightning_parallel.data_parallel.fully_sharded import FullySharded
 from lightning_parallel.data_parallel.zero import ZeroOneSharding
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.tensor_parallel import sync_sequence_parallel_grads
@@ -46,6 +52,7 @@ class GradientFinalizer:
         grad_sync: the data-parallel synchronizer when the data-parallel group has several ranks.
         zero: ZeRO-1's sharding when ``zero_stage=1``.
         sequence_parallel_mesh: the mesh when sequence parallelism is on with TP > 1, else None.
+        fully_sharded: ZeRO-2/3's sharding, with no ``grad_sync`` nor ``zero``.
     """
 
     def __init__(
@@ -55,9 +62,10 @@ class GradientFinalizer:
         grad_sync: Optional[GradientSynchronizer] = None,
         zero: Optional[ZeroOneSharding] = None,
         sequence_parallel_mesh: Optional[ParallelMesh] = None,
+        fully_sharded: Optional[FullySharded] = None,
     ) -> None:
         self.module, self.pipeline, self.grad_sync, self.zero = module, pipeline, grad_sync, zero
-        self.sequence_parallel_mesh = sequence_parallel_mesh
+        self.sequence_parallel_mesh, self.fully_sharded = sequence_parallel_mesh, fully_sharded
 
     @contextmanager
     def overlapped(self, window_ends: bool) -> Iterator[None]:
@@ -74,6 +82,8 @@ class GradientFinalizer:
             self.pipeline.final_weight_context = lambda stage: nullcontext()
 
     def __call__(self) -> None:
+        if self.fully_sharded is not None:
+            self.fully_sharded.finish()
         if self.pipeline is not None:
             self.pipeline.sync_tied_grads()
         if self.grad_sync is not None:

@@ -12,7 +12,7 @@ The workers train copies of the parent's module; when they finish, the parent's 
 the trained weights, or a ``trainer.validate``/``test``/``predict`` that follows would evaluate
 the untrained model. Lightning's launcher saves rank 0's ``state_dict`` and loads it in the parent,
 which works for data parallelism only: with tensor or pipeline parallelism rank 0 holds one shard
-of one stage. Here every rank writes its pieces as a sharded checkpoint (``checkpoint/``), rank 0
+of one stage, and with ZeRO-2/3 its rows of each parameter. Here every rank writes its pieces as a sharded checkpoint (``checkpoint/``), rank 0
 consolidates them into the full, unsplit state dict, and the parent loads that into its unsplit
 module, checking that it covers every parameter. A parent module on the meta device (built under
 ``trainer.init_module(empty_init=True)``) takes the tensors as they are (``assign``).
@@ -89,10 +89,10 @@ class MultiProcessingLauncher(_MultiProcessingLauncher):
 
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Optional[_WorkerOutput]:
         full_state = None
-        if trainer.state.fn == TrainerFn.FITTING and self._strategy.is_model_split:
+        if trainer.state.fn == TrainerFn.FITTING and self._strategy.splits_parameters:
             full_state = gather_full_state_dict(self._strategy)  # collective: every rank takes part
         output = super()._collect_rank_zero_results(trainer, results)
-        if output is None or output.weights_path is None or not self._strategy.is_model_split:
+        if output is None or output.weights_path is None or not self._strategy.splits_parameters:
             return output
         if full_state is None:  # the first process of another node: the full state is on global rank 0
             self._strategy.checkpoint_io.remove_checkpoint(output.weights_path)
@@ -108,7 +108,7 @@ class MultiProcessingLauncher(_MultiProcessingLauncher):
     def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: Any) -> None:
         module = trainer.lightning_module
         self.weights_left_behind = worker_output.extra.pop("weights_left_behind", None)
-        if worker_output.weights_path is not None and (self._strategy.is_model_split or has_meta_parameters(module)):
+        if worker_output.weights_path is not None and (self._strategy.splits_parameters or has_meta_parameters(module)):
             # the whole model's state (Lightning's loading would also copy into meta tensors, keeping nothing)
             state = self._strategy.checkpoint_io.load_checkpoint(worker_output.weights_path)
             self.weights_left_behind = load_full_state_dict(module, state)

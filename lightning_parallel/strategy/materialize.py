@@ -36,9 +36,11 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_parallel.checkpoint.pretrained import SafetensorsTensor, read_shard
 from lightning_parallel.compat import _sync_module_states_over
+from lightning_parallel.data_parallel.fully_sharded import sharded_like
 from lightning_parallel.errors import IncompatibleModelError
 from lightning_parallel.strategy.empty_init import History, empty_parameters, history_of  # noqa: F401 - re-exported
 from lightning_parallel.tensor_parallel.shard import TPShard, slice_shard
@@ -256,6 +258,9 @@ def materialize(model: nn.Module, unsplit: UnsplitModel, tp_rank: int, tp_size: 
                 seed: int) -> None:
     """Give every meta parameter left on ``model`` (this rank's stage and shards) its initial value.
 
+    A parameter that ZeRO-2/3 shards over the data-parallel replicas (a DTensor) keeps only this rank's
+    rows of it (``data_parallel.fully_sharded``): the whole value exists only while its module is done.
+
     Parameters keep their identity (``torch.utils.swap_tensors``), so the tied-weight and gradient
     hooks set up on the meta model keep working; their ``tp_shard`` and other attributes stay. A swap
     needs no other reference to the parameter: the autograd graph of the pipeline's setup trace, left
@@ -276,7 +281,10 @@ def materialize(model: nn.Module, unsplit: UnsplitModel, tp_rank: int, tp_size: 
         wanted = {attr: getattr(param, "tp_shard", None) for attr, param in todo[index]}
         values = _owner_values(unsplit.owners[index], wanted, device, seed, tp_rank, tp_size)
         for attr, param in todo[index]:
-            real = nn.Parameter(values[attr], requires_grad=param.requires_grad)
+            value = values[attr]
+            if isinstance(param, DTensor):  # sharded over the data-parallel replicas (ZeRO-2/3): keep this rank's rows
+                value = sharded_like(value, param)
+            real = nn.Parameter(value, requires_grad=param.requires_grad)
             torch.utils.swap_tensors(param, real)
             param.__dict__.update(real.__dict__)  # the swap moved the attributes (tp_shard, ...) to ``real``
     for rnn in rnns:

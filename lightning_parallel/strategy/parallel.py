@@ -9,7 +9,10 @@ The strategy owns the process mesh and composes the parts in a fixed order at se
 3. pipeline parallelism keeps only this rank's stage (``pipeline/``);
 4. context parallelism hooks the model's blocks to split each sequence over the CP ranks
    (``context_parallel/``), checked on the first batch (``checks/sequence_split.py``);
-5. the optimizers are created from what is left, and data parallelism hooks the local parameters
+5. ZeRO-2/3 shards what is left over the data-parallel replicas (``data_parallel/fully_sharded.py``),
+   before a model built on the meta device gets its values, so that each rank materialises only its
+   rows of each parameter;
+6. the optimizers are created from what is left, and data parallelism hooks the local parameters
    (``data_parallel/``), averaging gradients over the DP and CP ranks together.
 
 After each backward window, gradients are finalised in Megatron-LM's order (``gradients.py``).
@@ -38,9 +41,10 @@ from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy as _LightningParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 
 from lightning_parallel.checkpoint import load_sharded, save_sharded
@@ -75,7 +79,8 @@ from lightning_parallel.compat import (
 from lightning_parallel.context_parallel import ContextParallel
 from lightning_parallel.data_parallel import GradientSynchronizer
 from lightning_parallel.data_parallel.buffers import BufferBroadcast
-from lightning_parallel.data_parallel.zero import ZeroOneSharding
+from lightning_parallel.data_parallel.fully_sharded import FullySharded
+from lightning_parallel.data_parallel.zero import ZeroOneSharding, refuse_whole_tensor_optimizers
 from lightning_parallel.errors import (
     LaunchError,
     LightningParallelError,
@@ -84,6 +89,10 @@ from lightning_parallel.errors import (
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline import PipelineEngine
+from lightning_parallel.pipeline.errors import (
+    PipelineConfigError,
+    PipelineIncompatibleModel,
+)
 from lightning_parallel.pipeline.example import first_batch
 from lightning_parallel.pipeline.partition import find_blocks
 from lightning_parallel.planner import SearchResult
@@ -190,6 +199,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         self.pipeline = None  # pipeline.PipelineEngine when pipeline_parallel > 1
         self.zero: Optional[ZeroOneSharding] = None
         self.context_parallel: Optional[ContextParallel] = None  # the sequence split, when context_parallel > 1
+        self.fully_sharded: Optional[FullySharded] = None  # ZeRO-2/3
         self._sync_blocked = False
         self._requeue = DeferredRequeue(None)
         self._unsplit_counts: dict[str, tuple[int, int]] = {}  # parameters per module before the split
@@ -219,6 +229,12 @@ class ParallelStrategy(_LightningParallelStrategy):
     @property
     def is_model_split(self) -> bool:
         return self.options.is_model_split
+
+    @property
+    def splits_parameters(self) -> bool:
+        """Whether a rank holds only part of the model's parameters: a TP shard, a pipeline stage, or
+        (ZeRO-2/3 over several replicas) rows of every parameter."""
+        return self.is_model_split or (self.options.shards_parameters and self._planned_mesh().dp_size > 1)
 
     @property
     def root_device(self) -> torch.device:
@@ -288,7 +304,7 @@ class ParallelStrategy(_LightningParallelStrategy):
                 automatic_optimization=module is None or module.automatic_optimization,
                 loss_scaler=getattr(self.precision_plugin, "scaler", None) is not None,
             )
-            if trainer is not None and self.is_model_split:
+            if trainer is not None and self.splits_parameters:
                 self._refuse_split_model_flags(trainer)
         return mesh
 
@@ -338,21 +354,28 @@ class ParallelStrategy(_LightningParallelStrategy):
         return module is not None and (self.is_model_split or self.options.cp > 1) and not self._has_split(module)
 
     def _refuse_split_model_flags(self, trainer: Any) -> None:
-        """Trainer features that would silently do something else on a split model (TP or PP)."""
-        split = f"tensor_parallel={self.options.tp}, pipeline_parallel={self.options.pp}"
+        """Trainer features that would silently do something else on a split model (TP, PP or ZeRO-2/3)."""
+        split = f"tensor_parallel={self.options.tp}, pipeline_parallel={self.options.pp}" + (
+            f", zero_stage={self.options.zero}" if self.options.shards_parameters else "")
         if any(isinstance(callback, StochasticWeightAveraging) for callback in trainer.callbacks):
             raise LaunchError(
                 f"Trainer(callbacks=[StochasticWeightAveraging(...)]) is not supported with {split}: it averages "
                 "a copy of the whole model taken before the split, and it switches Lightning's backward off and on "
                 "again, which the pipeline relies on. Remove the callback, or average weights with "
-                "DataParallelStrategy (data parallelism only)."
+                "DataParallelStrategy (data parallelism only, zero_stage 0 or 1)."
+            )
+        if self.options.shards_parameters and self._layer_sync is not None:
+            raise LaunchError(
+                f"Trainer(sync_batchnorm=True) is not supported with {split}: it replaces the BatchNorm layers "
+                "once the model is set up, after ZeRO has sharded their parameters, so the new layers would hold "
+                "the shards. Train with zero_stage 0 or 1 (optimizer state sharded), or without sync_batchnorm."
             )
         if type(self.checkpoint_io) is not TorchCheckpointIO:
             raise LaunchError(
                 f"Trainer(plugins=[{type(self.checkpoint_io).__name__}(...)]) is not supported with {split}: a split "
                 "model writes its checkpoint as a Distributed Checkpoint directory, one file per rank, without a "
                 "CheckpointIO plugin. Remove the plugin (checkpoints are written synchronously), or use it with "
-                "DataParallelStrategy."
+                "DataParallelStrategy (zero_stage 0 or 1)."
             )
 
     # ---- model set-up --------------------------------------------------------------------------
@@ -383,7 +406,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
             self.model = self._apply_layer_sync(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
-            if self.mesh.dp_cp_size > 1:  # CP ranks hold the replica's parameters too (see context_parallel/comm.py)
+            if self.mesh.dp_cp_size > 1 and self.fully_sharded is None:  # CP ranks hold the replica's parameters too
                 self.grad_sync = GradientSynchronizer(
                     list(module.parameters()), self.mesh.dp_cp_group, self.options.bucket_size_mb,
                     shard=self.options.zero == 1,
@@ -393,23 +416,27 @@ class ParallelStrategy(_LightningParallelStrategy):
                 # the pipeline runs forward and backward itself, inside training_step
                 set_skip_backward(trainer, True)
             self.setup_optimizers(trainer)
+            if self.fully_sharded is not None:
+                refuse_whole_tensor_optimizers(self.optimizers, self.options.zero)
             if self.grad_sync is not None and self.options.zero == 1:
                 self.zero = ZeroOneSharding(self.grad_sync, self.optimizers)
             sequence_parallel = self.options.sequence_parallel and self.options.tp > 1
             self.finalize_gradients = GradientFinalizer(module, self.pipeline, self.grad_sync, self.zero,
-                                                        self.mesh if sequence_parallel else None)
+                                                        self.mesh if sequence_parallel else None, self.fully_sharded)
         self.setup_precision_plugin()
-        if self.is_model_split or self.zero is not None:
+        if self.is_model_split or self.zero is not None or self.fully_sharded is not None:
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
         if self.options.tp > 1 and self.pipeline is None:  # the pipeline probes its own stages
-            refuse_failing_split(self, trainer, self._tp_reference)
+            with self._gathered():  # ZeRO-2/3: the probe's gathers communicate nothing; drop what they gathered
+                refuse_failing_split(self, trainer, self._tp_reference)
         if self._split_check is not None:  # tensor parallelism, pipelined or not
             self.split_verification = check_split_against_whole(self, trainer, self._split_check, self._tp_reference)
             self._split_check = None
         if self.options.tp > 1 and self.pipeline is None:
-            refuse_wrong_split(self, self._tp_reference)
+            with self._gathered():
+                refuse_wrong_split(self, self._tp_reference)
             self._tp_reference = None
         if self.context_parallel is not None:
             refuse_unsplittable_sequence(self, trainer, self.context_parallel)
@@ -459,14 +486,77 @@ class ParallelStrategy(_LightningParallelStrategy):
             if not on_meta:  # traced where the parameters are (the CPU unless moved just above)
                 example = move_data_to_device(example, next(module.parameters()).device)
             self.pipeline.partition(example, step)
+        if self.options.shards_parameters and self.mesh.dp_size > 1:
+            self._check_split_before_sharding(module, on_meta)
+            self._shard_over_replicas(module)
         if on_meta:  # only this rank's stage and shards are ever allocated
             materialize(module, unsplit, self.mesh.tp_rank, self.mesh.tp_size, self.root_device, seed)
         self.model_to_device()
+        if self.fully_sharded is not None:
+            self.fully_sharded.ready()
         if self.pipeline is not None:
             self.pipeline.link.device = self.root_device
-        if self.is_model_split:
+        if self.splits_parameters:
             self._split_module = weakref.ref(module)
             self.parameter_share = measured_share(module, self._unsplit_counts[""][0])
+
+    def _check_split_before_sharding(self, module: Any, on_meta: bool) -> None:
+        """The TP split check (``checks/verify_split.py``) compares split units with whole copies parameter by
+        parameter; under ZeRO-2/3 it runs now, on this rank's stage and shards before their rows are spread
+        over the replicas. A model built on the meta device has no values yet: it is not checked."""
+        if self._split_check is None:
+            return
+        if on_meta:
+            rank_zero_warn("ZeRO-2/3 on a model built on the meta device: its tensor-parallel split is not checked "
+                           "against the whole model (the check needs values before the parameters are sharded)")
+        else:
+            self.model_to_device()
+            if self.pipeline is not None:
+                self.pipeline.link.device = self.root_device
+            self.split_verification = check_split_against_whole(self, attached_trainer(module), self._split_check,
+                                                                self._tp_reference)
+        self._split_check = None
+
+    def _shard_over_replicas(self, module: Any) -> None:
+        """Step 4 of the module docstring: ZeRO-2/3 over the data-parallel group, one unit per block."""
+        self.fully_sharded = FullySharded(module, self._sharding_units(module), self.mesh.device_mesh["dp"],
+                                          self.options.zero, keep_gathered=self.pipeline is not None,
+                                          mp_policy=self._gather_policy())
+        if self.pipeline is not None:
+            self.pipeline.replace_parameters(self.fully_sharded.replaced)
+
+    def _gather_policy(self) -> Optional[MixedPrecisionPolicy]:
+        """Under ``precision="bf16-mixed"`` (or ``"16-mixed"``) ZeRO-2/3 gathers parameters in the precision
+        autocast computes in, halving the bytes gathered and held, and reduces gradients in float32; the
+        optimizer steps float32 shards. Otherwise parameters are gathered and reduced as they are."""
+        low = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(str(self.precision_plugin.precision))
+        return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low is not None else None
+
+    def _sharding_units(self, module: Any) -> list[Any]:
+        """The modules gathered one at a time under ZeRO-3: every module of the type of the model's repeated
+        blocks (those the pipeline splits; a ResNet's bottlenecks of every stage), innermost first. A model
+        without repeated blocks is one unit, gathered for the whole step."""
+        try:
+            path = self.pipeline.plan.blocks_path if self.pipeline is not None else find_blocks(
+                module, self.options.pipeline_blocks)[0]
+        except (PipelineConfigError, PipelineIncompatibleModel):
+            return []
+        kinds = {type(block) for block in module.get_submodule(path) if any(True for _ in block.parameters())}
+        units = [m for m in module.modules() if type(m) in kinds and any(True for _ in m.parameters())]
+        return units[::-1]
+
+    @contextmanager
+    def _gathered(self) -> Generator:
+        """Inside, the root unit's parameters are gathered (ZeRO-2/3); afterwards every parameter is sharded
+        again. Around an evaluation step, a probe, and what runs the user's code outside a training step."""
+        if self.fully_sharded is None:
+            yield
+            return
+        self.fully_sharded.gather_root()
+        try:
+            yield
+        finally:
+            self.fully_sharded.reshard()
 
     def _agree_on_build(self, on_meta: bool) -> None:
         """Refuse, on every rank, a model built on the meta device on some ranks and with values on others
@@ -515,7 +605,7 @@ class ParallelStrategy(_LightningParallelStrategy):
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
         # what lp-export needs to write the module's Hugging Face models from this checkpoint alone
         checkpoint = {**checkpoint, HF_RECORD_KEY: describe_hf_models(self.lightning_module)}
-        if not self.is_model_split:
+        if not self.splits_parameters:
             local = type(self.checkpoint_io) is TorchCheckpointIO and "://" not in str(filepath)
             if not local or storage_options is not None:
                 return super().save_checkpoint(checkpoint, filepath, storage_options)
@@ -525,6 +615,8 @@ class ParallelStrategy(_LightningParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported with a "
                             "split model: it writes a directory of shards itself, without the CheckpointIO plugin")
+        if self.fully_sharded is not None:  # the parameters as the optimizer holds them (an evaluation may gather)
+            self.fully_sharded.reshard()
         save_sharded(self, checkpoint, filepath)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict:
@@ -563,6 +655,8 @@ class ParallelStrategy(_LightningParallelStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._before_forward()
+        if self.fully_sharded is not None:  # freed again at the end of backward
+            self.fully_sharded.gather_root()
         if self.pipeline is None:
             with self._sequence_split():
                 return super().training_step(*args, **kwargs)
@@ -582,27 +676,30 @@ class ParallelStrategy(_LightningParallelStrategy):
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         self._before_forward()
-        if self.pipeline is None:
-            with self._sequence_split():
-                return super().validation_step(*args, **kwargs)
-        with self.precision_plugin.val_step_context():
-            return self.pipeline.validation_step(*args, **kwargs)
+        with self._gathered():
+            if self.pipeline is None:
+                with self._sequence_split():
+                    return super().validation_step(*args, **kwargs)
+            with self.precision_plugin.val_step_context():
+                return self.pipeline.validation_step(*args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         self._before_forward()
-        if self.pipeline is None:
-            with self._sequence_split():
-                return super().test_step(*args, **kwargs)
-        with self.precision_plugin.test_step_context():
-            return self.pipeline.test_step(*args, **kwargs)
+        with self._gathered():
+            if self.pipeline is None:
+                with self._sequence_split():
+                    return super().test_step(*args, **kwargs)
+            with self.precision_plugin.test_step_context():
+                return self.pipeline.test_step(*args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         self._before_forward()
-        if self.pipeline is None:
-            with self._sequence_split():
-                return super().predict_step(*args, **kwargs)
-        with self.precision_plugin.predict_step_context():
-            return self.pipeline.predict_step(*args, **kwargs)
+        with self._gathered():
+            if self.pipeline is None:
+                with self._sequence_split():
+                    return super().predict_step(*args, **kwargs)
+            with self.precision_plugin.predict_step_context():
+                return self.pipeline.predict_step(*args, **kwargs)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # Lightning registers its signal handlers after setup; take the requeue one over once
@@ -615,8 +712,8 @@ class ParallelStrategy(_LightningParallelStrategy):
         """Lightning enters this on every batch of an accumulation window but the last."""
         self._sync_blocked = True
         try:
-            if self.grad_sync is not None:
-                with self.grad_sync.no_sync():
+            if self.grad_sync is not None or self.fully_sharded is not None:
+                with (self.grad_sync or self.fully_sharded).no_sync():
                     yield None
             else:
                 yield None
@@ -640,6 +737,8 @@ class ParallelStrategy(_LightningParallelStrategy):
             original = self.zero.original
             clip_grads_by_global_norm(params, float(clip_val), self.mesh, lambda p: counted_once(original[p]),
                                       sharded_over_dp=True)
+        elif self.fully_sharded is not None:
+            clip_grads_by_global_norm(params, float(clip_val), self.mesh, counted_once, sharded_over_dp=True)
         else:
             clip_grads_by_global_norm(params, float(clip_val), self.mesh, counted_once)
 

@@ -12,10 +12,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_parallel.mesh import local_part
+
 
 def sync_sequence_parallel_grads(module: nn.Module, mesh) -> None:
     """Sum over the TP group the gradients of parameters marked ``sequence_parallel`` (one all-reduce)."""
-    grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    # a ZeRO-2/3 shard (DTensor) is summed shard by shard: every TP rank shards the parameter alike
+    grads = [local_part(p.grad) for p in module.parameters()
+             if getattr(p, "sequence_parallel", False) and p.grad is not None]
     if not grads or mesh.tp_size == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

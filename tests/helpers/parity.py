@@ -27,10 +27,18 @@ class _Recorder(Callback):
         self.losses.append(float(loss))
 
     def on_train_end(self, trainer, pl_module):
-        params = {n: p.detach().cpu().clone() for n, p in pl_module.named_parameters(remove_duplicate=False)}
+        params = {n: whole(p).detach().cpu().clone() for n, p in pl_module.named_parameters(remove_duplicate=False)}
         record = {"losses": self.losses, "params": params, "global_step": trainer.global_step,
                   "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
         torch.save(record, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as this rank's TP shard (or stage) holds it: a ZeRO-2/3 DTensor is gathered over the
+    data-parallel replicas (a collective over them), anything else is returned as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 class TensorDataset(Dataset):

@@ -45,7 +45,7 @@ def cluster(nodes=1, devices=8, memory=GIB, rates: Rates = GPU, shared=False) ->
 
 def one(model, cl, work, **fixed):
     """The prediction of the single layout ``fixed`` pins (no ZeRO, no recomputation)."""
-    constraints = Constraints(zero=False, recompute=(False,), **fixed)
+    constraints = Constraints(**{"zero": 0, "recompute": (False,), **fixed})
     result = search(model, cl, work, constraints)
     assert len({r.candidate.layout for r in result.ranked}) == 1, [r.candidate.layout for r in result.ranked]
     return result.best
@@ -101,6 +101,38 @@ def test_more_data_parallelism_with_fixed_global_batch_is_not_slower_in_compute(
                 for dp in (2, 4, 8)]
     # per device, compute shrinks as the batch is shared by more replicas (the stages also shrink)
     assert computes[0] >= computes[1] >= computes[2] > 0
+
+
+def test_zero_stages_shrink_memory_per_device_and_zero3_moves_one_and_a_half_times_dp_bytes():
+    model = meta_gpt(n_layer=4, n_embd=64, vocab_size=256)
+    work = Workload(seq=16, global_batch=64)
+    runs = {z: one(model, cluster(devices=4, memory=float("inf")), work, tp=1, pp=1, dp=4, zero=z) for z in range(4)}
+    memory = {z: r.candidate.memory[0] for z, r in runs.items()}
+    model_state = {z: m.param_bytes + m.grad_bytes + m.optimizer_bytes for z, m in memory.items()}
+    assert model_state[0] > model_state[1] > model_state[2] > model_state[3]
+    assert memory[1].optimizer_bytes == memory[2].optimizer_bytes == memory[0].optimizer_bytes / 4
+    assert memory[3].param_bytes < memory[0].param_bytes < memory[2].param_bytes  # stage 2 holds shards and all
+    moved = {z: r.prediction.bytes_moved for z, r in runs.items()}  # all data-parallel here (tp = pp = 1)
+    assert moved[1] == moved[2] == pytest.approx(moved[0])  # a reduce-scatter and an all-gather: an all-reduce
+    assert moved[3] == pytest.approx(1.5 * moved[0])  # the parameters gathered twice
+    # under pipelining ZeRO-3 gathers once per step and keeps the stage's parameters and gradients whole
+    piped = {z: one(model, cluster(devices=4, memory=float("inf")), work, tp=1, pp=2, dp=2, zero=z, micro_batches=4,
+                    schedule="1f1b", virtual_stages=1) for z in (1, 3)}
+    assert piped[3].prediction.bytes_moved == pytest.approx(piped[1].prediction.bytes_moved)
+    assert piped[3].candidate.memory[0].grad_bytes == piped[1].candidate.memory[0].grad_bytes
+
+
+def test_search_takes_zero3_only_where_nothing_less_sharded_fits():
+    model = meta_gpt(n_layer=4, n_embd=64, vocab_size=256)
+    work = Workload(seq=16, global_batch=64)
+    fixed = Constraints(tp=1, pp=1, dp=4, recompute=(False,))
+    roomy = search(model, cluster(devices=4, memory=float("inf")), work, fixed)
+    assert roomy.best.candidate.layout.zero < 3  # zero 3 moves more bytes for nothing
+    peaks = {r.candidate.layout.zero: r.candidate.peak_bytes for r in roomy.ranked}
+    tight = search(model, cluster(devices=4, memory=peaks[3] * 1.01), work, fixed)
+    assert peaks[3] < min(peaks[z] for z in (0, 1, 2))
+    assert [r.candidate.layout.zero for r in tight.ranked] == [3]
+    assert tight.best.candidate.layout.options()["zero_stage"] == 3
 
 
 def test_slower_link_makes_tensor_parallelism_costlier():

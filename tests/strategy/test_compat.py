@@ -175,3 +175,62 @@ def test_transformers_save_steps_exist_and_drop_a_tied_head():
     kept = remove_tied_weights(model.state_dict(), model)
     assert "lm_head.weight" not in kept and "model.embed_tokens.weight" in kept
     assert list(revert_weight_conversion(model, kept)) == list(kept)  # nothing to revert for Llama
+
+
+def _fsdp_internals(rank, world_size):
+    from torch.distributed.fsdp import fully_shard
+
+    from tests.helpers.processes import make_mesh
+
+    mesh = make_mesh(rank, world_size).device_mesh["dp"]
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    groups = compat.fsdp_param_groups(model)  # the root's own group and its unit's
+    seen = []
+    for group in groups:
+        compat.before_fsdp_post_backward(group, lambda g: seen.append(
+            [compat.fsdp_has_unsharded_grad(p) for p in compat.fsdp_group_parameters(g)]))
+    model.set_requires_gradient_sync(False)
+    model.unshard()
+    model(torch.ones(3, 4)).sum().backward()
+    kept = [compat.fsdp_reduces(g) for g in groups], [p.grad for p in model.parameters()]
+    model.set_requires_gradient_sync(True)
+    compat.fsdp_reduce_now(model, groups)
+    return len(groups), seen, kept[0], kept[1], [p.grad is not None for p in model.parameters()]
+
+
+def test_fsdp2_internals_name_groups_and_gradients_and_reduce_on_demand():
+    from tests.helpers.processes import run_distributed
+
+    count, seen, reducing, before, after = run_distributed(_fsdp_internals, 2)[0]
+    assert count == 2
+    assert seen[:2] == [[True, True], [True, True]]  # the hook sees whole gradients before each group's end
+    assert reducing == [False, False] and before == [None] * 4  # accumulated, not yet reduced
+    assert after == [True] * 4  # reduce-scattered on demand
+
+
+def _reshard_after_an_aborted_forward(rank, world_size):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from tests.helpers.processes import make_mesh
+
+    mesh = make_mesh(rank, world_size).device_mesh["dp"]
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    model[1].register_forward_pre_hook(lambda *args: (_ for _ in ()).throw(KeyboardInterrupt))  # a stage's exit
+    try:
+        model(torch.ones(3, 4))
+    except KeyboardInterrupt:
+        pass
+    gathered = not isinstance(model[0].weight, DTensor)
+    for group in compat.fsdp_param_groups(model):
+        compat.fsdp_reshard(group)
+    return gathered, isinstance(model[0].weight, DTensor)
+
+
+def test_fsdp2_group_left_mid_forward_is_resharded():
+    from tests.helpers.processes import run_distributed
+
+    assert run_distributed(_reshard_after_an_aborted_forward, 2)[0] == (True, True)
