@@ -210,7 +210,8 @@ class ParallelOptions:
 
     @property
     def is_model_split(self) -> bool:
-        return self.tp > 1 or self.pp > 1
+        """Whether ranks hold different parameters: TP shards, pipeline stages, or experts (EP)."""
+        return self.tp > 1 or self.pp > 1 or self.ep > 1
 
     @property
     def mesh_sizes(self) -> dict[str, Union[int, str]]:

@@ -9,7 +9,8 @@ of them only (Megatron-LM's ``param_is_not_tensor_parallel_duplicate`` rule, Sho
 Data-parallel replicas (and context-parallel ranks) hold identical gradients after the all-reduce,
 so no DP reduction is needed; under ZeRO each replica holds a disjoint part (ZeRO-1's slices of the
 DP x CP group, ZeRO-2/3's DTensor shards: their local parts are used), so the squared norms are
-summed over that group too.
+summed over that group too. Under expert parallelism the ranks of an expert-parallel group hold
+different experts, so the experts' squared norms are summed over that group as well.
 """
 
 from __future__ import annotations
@@ -37,16 +38,21 @@ def global_grad_norm(
         sharded_over_dp: the parameters are disjoint parts per data-parallel rank (ZeRO-1 over DP x CP, 2, 3).
     """
     params = list(params)
-    total = None
+    total = torch.zeros((), device=params[0].device if params else "cpu")
+    experts = torch.zeros_like(total)  # parameters each rank of the expert-parallel group holds its own of
     for p in params:
         if p.grad is None or not counted_once(p):
             continue
         if getattr(p, "tp_shard", None) is None and mesh.tp_size > 1 and mesh.tp_rank != 0:
             continue  # replicated over TP: TP rank 0 counts it
         sq = local_part(p.grad).detach().float().pow(2).sum()
-        total = sq if total is None else total + sq
-    if total is None:
-        total = torch.zeros((), device=params[0].device if params else "cpu")
+        if hasattr(p, "expert_shard"):
+            experts = experts + sq
+        else:
+            total = total + sq
+    if mesh.ep_size > 1:
+        dist.all_reduce(experts, group=mesh.ep_group)
+    total = total + experts
     if mesh.tp_size > 1:
         dist.all_reduce(total, group=mesh.tp_group)
     if mesh.pp_size > 1:

@@ -81,6 +81,7 @@ from lightning_parallel.data_parallel import GradientSynchronizer
 from lightning_parallel.data_parallel.buffers import BufferBroadcast
 from lightning_parallel.data_parallel.fully_sharded import FullySharded
 from lightning_parallel.data_parallel.zero import ZeroOneSharding, refuse_whole_tensor_optimizers
+from lightning_parallel.expert_parallel import ExpertParallel
 from lightning_parallel.errors import (
     LaunchError,
     LightningParallelError,
@@ -98,6 +99,7 @@ from lightning_parallel.pipeline.partition import find_blocks
 from lightning_parallel.planner import SearchResult
 from lightning_parallel.planner.auto import choose_for
 from lightning_parallel.strategy.clipping import clip_grads_by_global_norm
+from lightning_parallel.strategy.experts import gradient_synchronizer, log_tokens_per_expert, place_experts
 from lightning_parallel.strategy.gradients import (
     GradientFinalizer,
     shared_across_stages,
@@ -131,7 +133,7 @@ class ParallelStrategy(_LightningParallelStrategy):
     """Data x tensor x pipeline x context parallelism on one process mesh.
 
     Args:
-        data_parallel, tensor_parallel, pipeline_parallel, context_parallel, micro_batches, schedule,
+        data_parallel, tensor_parallel, pipeline_parallel, context_parallel, expert_parallel, micro_batches, schedule,
         virtual_stages, sequence_parallel, tp_plan, pipeline_blocks, pipeline_layout, bucket_size_mb, zero_stage,
         broadcast_buffers, verify_split:
             the layout and its options, each documented on ``ParallelOptions`` (``options.py``).
@@ -152,6 +154,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         tensor_parallel: Union[int, str] = 1,
         pipeline_parallel: Union[int, str] = 1,
         context_parallel: int = 1,
+        expert_parallel: int = 1,
         micro_batches: Optional[int] = None,
         schedule: str = "1f1b",
         virtual_stages: Union[int, str] = 1,
@@ -183,7 +186,8 @@ class ParallelStrategy(_LightningParallelStrategy):
             raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}")
         self.options = ParallelOptions(
             tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, data_parallel=data_parallel,
-            context_parallel=context_parallel, micro_batches=micro_batches, schedule=schedule,
+            context_parallel=context_parallel, expert_parallel=expert_parallel, micro_batches=micro_batches,
+            schedule=schedule,
             virtual_stages=virtual_stages,
             sequence_parallel=sequence_parallel, tp_plan=tp_plan, pipeline_blocks=pipeline_blocks,
             pipeline_layout=pipeline_layout, bucket_size_mb=bucket_size_mb, zero_stage=zero_stage,
@@ -200,6 +204,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         self.zero: Optional[ZeroOneSharding] = None
         self.context_parallel: Optional[ContextParallel] = None  # the sequence split, when context_parallel > 1
         self.fully_sharded: Optional[FullySharded] = None  # ZeRO-2/3
+        self.experts: Optional[ExpertParallel] = None  # the placed experts, when expert_parallel > 1
         self._sync_blocked = False
         self._requeue = DeferredRequeue(None)
         self._unsplit_counts: dict[str, tuple[int, int]] = {}  # parameters per module before the split
@@ -407,11 +412,10 @@ class ParallelStrategy(_LightningParallelStrategy):
             self.model = self._apply_layer_sync(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
             if self.mesh.dp_cp_size > 1 and self.fully_sharded is None:  # CP ranks hold the replica's parameters too
-                self.grad_sync = GradientSynchronizer(
-                    list(module.parameters()), self.mesh.dp_cp_group, self.options.bucket_size_mb,
-                    shard=self.options.zero == 1,
+                self.grad_sync = gradient_synchronizer(
+                    module, self.mesh, self.options.bucket_size_mb, shard=self.options.zero == 1,
                     deferred=shared_across_stages(module, self.pipeline) if self.pipeline is not None else (),
-                )
+                    experts=self.experts)
             if self.pipeline is not None:
                 # the pipeline runs forward and backward itself, inside training_step
                 set_skip_backward(trainer, True)
@@ -474,6 +478,7 @@ class ParallelStrategy(_LightningParallelStrategy):
             if self.options.verify_split:  # whole copies, before the split
                 self._split_check = prepare_split_check(module, self.mesh, self.options)
             parallelize(module, self.mesh, plan=self.options.tp_plan, sequence_parallel=self.options.sequence_parallel)
+        self.experts = place_experts(module, self.mesh)  # whole experts per rank (expert_parallel > 1)
         if self.options.pp > 1:
             if self.options.tp > 1 and not on_meta:
                 # the trace runs the TP collectives, which NCCL runs on device tensors only: this rank's
@@ -659,7 +664,10 @@ class ParallelStrategy(_LightningParallelStrategy):
             self.fully_sharded.gather_root()
         if self.pipeline is None:
             with self._sequence_split():
-                return super().training_step(*args, **kwargs)
+                output = super().training_step(*args, **kwargs)
+            if self.experts is not None:
+                log_tokens_per_expert(self.lightning_module, self.experts, self.mesh.dp_group)
+            return output
         trainer = self.lightning_module.trainer
         batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         if batch_idx % trainer.accumulate_grad_batches == 0:
