@@ -98,7 +98,8 @@ class Record(Callback):
         self.tokens.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("tokens_per")})
 
     def on_train_end(self, trainer, pl_module):
-        torch.save({"params": whole_experts(pl_module, trainer.strategy.mesh), "tokens": self.tokens},
+        local = {n: tuple(p.shape) for n, p in pl_module.named_parameters() if hasattr(p, "expert_shard")}
+        torch.save({"params": whole_experts(pl_module, trainer.strategy.mesh), "tokens": self.tokens, "local": local},
                    os.path.join(self.out_dir, f"whole{trainer.global_rank}.pt"))
 
 
@@ -148,3 +149,12 @@ def test_ep2_expert_without_tokens_matches_single_device(tmp_path):
 def test_dp4_ep2_matches_single_device(tmp_path):
     # each expert on two replicas: its gradient summed over them, divided by all four
     assert_matches_one_device(tmp_path, dp=4, ep=2)
+
+
+@pytest.mark.timeout(120)
+def test_tp2_dp2_ep2_matches_single_device(tmp_path):
+    # every expert split over the TP pair by its intermediate features, whole experts over the EP pair
+    records = assert_matches_one_device(tmp_path, dp=2, ep=2, tp=2)
+    for record in records:  # 2 of 4 experts, half of each expert's 32 intermediate features
+        assert record["local"]["model.model.layers.0.mlp.experts.gate_up_proj"] == (2, 32, 32)
+        assert record["local"]["model.model.layers.0.mlp.experts.down_proj"] == (2, 32, 16)
