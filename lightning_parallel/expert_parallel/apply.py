@@ -16,7 +16,11 @@ from torch import nn
 
 from lightning_parallel.errors import IncompatibleModelError
 from lightning_parallel.expert_parallel.layer import place_experts
-from lightning_parallel.expert_parallel.placement import expert_count, find_experts, owned_experts
+from lightning_parallel.expert_parallel.placement import (
+    expert_count,
+    find_experts,
+    owned_experts,
+)
 
 
 class ExpertParallel:

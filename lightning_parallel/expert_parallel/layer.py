@@ -35,7 +35,10 @@ import torch
 from torch import nn
 
 from lightning_parallel.expert_parallel.comm import all_to_all, exchange_counts
-from lightning_parallel.expert_parallel.placement import ExpertShard, per_expert_parameter_names
+from lightning_parallel.expert_parallel.placement import (
+    ExpertShard,
+    per_expert_parameter_names,
+)
 
 
 class ExpertParallelMixin:

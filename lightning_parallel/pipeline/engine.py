@@ -41,24 +41,13 @@ from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline.backward_split import SplitUnsupported, backward_input
 from lightning_parallel.pipeline.broadcast import broadcast_object
 from lightning_parallel.pipeline.compare import close, floating_tensors
-from lightning_parallel.pipeline.errors import (
-    PipelineConfigError,
-    PipelineIncompatibleModel,
-)
+from lightning_parallel.pipeline.errors import PipelineConfigError, PipelineIncompatibleModel
 from lightning_parallel.pipeline.isolation import untouched
 from lightning_parallel.pipeline.logs import LogCapture, replay
 from lightning_parallel.pipeline.memory import ActivationMeter
 from lightning_parallel.pipeline.meta_trace import meta_batch, meta_device
-from lightning_parallel.pipeline.microbatch import (
-    signature,
-    split_batch,
-    whole_batch_values,
-)
-from lightning_parallel.pipeline.order import (
-    RunOrder,
-    trace_run_order,
-    traced_conditions,
-)
+from lightning_parallel.pipeline.microbatch import signature, split_batch, whole_batch_values
+from lightning_parallel.pipeline.order import RunOrder, trace_run_order, traced_conditions
 from lightning_parallel.pipeline.p2p import Message, StageLink
 from lightning_parallel.pipeline.partition import plan_stages, shared_parameters
 from lightning_parallel.pipeline.randomness import StageRandomness
@@ -72,19 +61,9 @@ from lightning_parallel.pipeline.schedules import (
     step_schedules,
     validate_schedule,
 )
-from lightning_parallel.pipeline.stage_modules import (
-    StageExit,
-    StageRuntime,
-    apply_stage_plan,
-)
+from lightning_parallel.pipeline.stage_modules import StageExit, StageRuntime, apply_stage_plan
 from lightning_parallel.pipeline.step_state import PendingSend, StepState
-from lightning_parallel.pipeline.targets import (
-    CrossEntropyCalls,
-    TargetCount,
-    learn,
-    padding_hint,
-    unfit,
-)
+from lightning_parallel.pipeline.targets import CrossEntropyCalls, TargetCount, learn, padding_hint, unfit
 
 
 class PipelineEngine:

@@ -1,22 +1,20 @@
 """``ParallelStrategy``: data, tensor, pipeline and context parallelism for an unchanged LightningModule.
 
-The strategy owns the process mesh and composes the parts in a fixed order at setup:
+The strategy owns the process mesh and, at setup, composes the parts in a fixed order:
 
-1. every rank receives rank 0's initial parameters, so all replicas, shards and stages start from
-   the single-device initialisation (in host memory: only what a rank keeps after step 3 moves to
-   its accelerator, ``init.py``);
-2. tensor parallelism shards the modules named by a plan (``tensor_parallel/``);
-3. pipeline parallelism keeps only this rank's stage (``pipeline/``);
-4. context parallelism hooks the model's blocks to split each sequence over the CP ranks
+1. the module is split once, by ``compose.split_model``: every rank starts from rank 0's initial
+   values, tensor parallelism shards the modules a plan names, pipeline parallelism keeps this rank's
+   stage, ZeRO-2/3 shards what is left over the replicas, and a model built on the meta device is
+   materialised with only this rank's part;
+2. context parallelism hooks the model's blocks to split each sequence over the CP ranks
    (``context_parallel/``), checked on the first batch (``checks/sequence_split.py``);
-5. ZeRO-2/3 shards what is left over the data-parallel replicas (``data_parallel/fully_sharded.py``),
-   before a model built on the meta device gets its values, so that each rank materialises only its
-   rows of each parameter;
-6. the optimizers are created from what is left, and data parallelism hooks the local parameters
-   (``data_parallel/``), averaging gradients over the DP and CP ranks together.
+3. the optimizers are created from what is left, and data parallelism hooks the local parameters
+   (``data_parallel/``), averaging gradients over the DP and CP ranks together;
+4. the split is checked against the whole model on a real batch (``checks/``).
 
 After each backward window, gradients are finalised in Megatron-LM's order (``gradients.py``).
-Clipping by norm then uses the norm of the whole model (``clipping.py``). A module is split once:
+Clipping by norm then uses the norm of the whole model (``clipping.py``). Checkpoints
+(``checkpointing.py``) and collectives (``collectives.py``) are mixed in. A module is split once:
 later ``validate``/``test``/``predict``/``fit`` calls on the same Trainer reuse the split (launched
 by popen or torchrun), or receive the trained full weights in the parent process (fork, spawn:
 ``launcher.py``).
@@ -27,51 +25,31 @@ from __future__ import annotations
 import weakref
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Generator, Literal, Optional, Union
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
-from lightning.fabric.utilities.apply_func import move_data_to_device
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy as _LightningParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
+from typing_extensions import override
 
-from lightning_parallel.checkpoint import load_sharded, save_sharded
-from lightning_parallel.checkpoint.atomic import remove_checkpoint_dir, save_file
-from lightning_parallel.checkpoint.hf_models import RECORD_KEY as HF_RECORD_KEY
-from lightning_parallel.checkpoint.hf_models import describe as describe_hf_models
 from lightning_parallel.checks.launch import validate_launch
 from lightning_parallel.checks.sequence_split import refuse_unsplittable_sequence
-from lightning_parallel.checks.share import Share, measured_share
-from lightning_parallel.checks.split_values import (
-    refuse_failing_split,
-    refuse_wrong_split,
-    unsplit_values,
-)
-from lightning_parallel.checks.verify_split import (
-    SplitChecker,
-    Verification,
-    check_split_against_whole,
-    prepare_split_check,
-)
+from lightning_parallel.checks.share import Share
+from lightning_parallel.checks.split_values import refuse_failing_split, refuse_wrong_split
+from lightning_parallel.checks.verify_split import SplitChecker, Verification, check_split_against_whole
 from lightning_parallel.compat import (
-    _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
     _optimizers_to_device,
-    _sync_ddp_if_available,
-    _sync_module_states,
     attached_trainer,
     module_hidden_from_teardown,
     set_skip_backward,
@@ -81,59 +59,34 @@ from lightning_parallel.data_parallel import GradientSynchronizer
 from lightning_parallel.data_parallel.buffers import BufferBroadcast
 from lightning_parallel.data_parallel.fully_sharded import FullySharded
 from lightning_parallel.data_parallel.zero import ZeroOneSharding, refuse_whole_tensor_optimizers
+from lightning_parallel.errors import LaunchError, LightningParallelError, python_arguments
 from lightning_parallel.expert_parallel import ExpertParallel
-from lightning_parallel.errors import (
-    LaunchError,
-    LightningParallelError,
-    python_arguments,
-)
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.options import ParallelOptions
-from lightning_parallel.pipeline import PipelineEngine
-from lightning_parallel.pipeline.errors import (
-    PipelineConfigError,
-    PipelineIncompatibleModel,
-)
-from lightning_parallel.pipeline.example import first_batch
 from lightning_parallel.pipeline.partition import find_blocks
 from lightning_parallel.planner import SearchResult
 from lightning_parallel.planner.auto import choose_for
+from lightning_parallel.strategy.checkpointing import SplitCheckpoints
 from lightning_parallel.strategy.clipping import clip_grads_by_global_norm
-from lightning_parallel.strategy.experts import gradient_synchronizer, log_tokens_per_expert, place_experts
-from lightning_parallel.strategy.gradients import (
-    GradientFinalizer,
-    shared_across_stages,
-)
-from lightning_parallel.strategy.launcher import (
-    MultiProcessingLauncher,
-    SubprocessScriptLauncher,
-)
-from lightning_parallel.strategy.materialize import (
-    UnsplitModel,
-    broadcast_on_host,
-    broadcast_recorded_values,
-    builds_later,
-    empty_parameters,
-    has_meta_parameters,
-    materialize,
-    on_host,
-)
+from lightning_parallel.strategy.collectives import MeshCollectives
+from lightning_parallel.strategy.compose import split_model
+from lightning_parallel.strategy.experts import gradient_synchronizer, log_tokens_per_expert
+from lightning_parallel.strategy.gradients import GradientFinalizer, shared_across_stages
+from lightning_parallel.strategy.launcher import MultiProcessingLauncher, SubprocessScriptLauncher
+from lightning_parallel.strategy.materialize import builds_later, empty_parameters, has_meta_parameters
 from lightning_parallel.strategy.metric_sync import sync_metrics_per_replica
 from lightning_parallel.strategy.requeue import DeferredRequeue
-from lightning_parallel.strategy.summary import (
-    parameters_per_module,
-    report_whole_model,
-)
-from lightning_parallel.tensor_parallel import parallelize
+from lightning_parallel.strategy.summary import parameters_per_module, report_whole_model
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 
-class ParallelStrategy(_LightningParallelStrategy):
+class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStrategy):
     """Data x tensor x pipeline x context parallelism on one process mesh.
 
     Args:
-        data_parallel, tensor_parallel, pipeline_parallel, context_parallel, expert_parallel, micro_batches, schedule,
+        data_parallel, tensor_parallel, pipeline_parallel, context_parallel, expert_parallel, micro_batches,
+        schedule,
         virtual_stages, sequence_parallel, tp_plan, pipeline_blocks, pipeline_layout, bucket_size_mb, zero_stage,
         broadcast_buffers, verify_split:
             the layout and its options, each documented on ``ParallelOptions`` (``options.py``).
@@ -241,6 +194,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         (ZeRO-2/3 over several replicas) rows of every parameter."""
         return self.is_model_split or (self.options.shards_parameters and self._planned_mesh().dp_size > 1)
 
+    @override
     @property
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
@@ -262,6 +216,7 @@ class ParallelStrategy(_LightningParallelStrategy):
     def process_group_backend(self) -> Optional[str]:
         return self._process_group_backend
 
+    @override
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # all TP shards, CP ranks and pipeline stages of one replica read the same batch
@@ -321,6 +276,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         except LightningParallelError as err:
             raise err.in_language(python_arguments(type(self).__name__)) from None
 
+    @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
@@ -336,6 +292,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         rank_zero_only.rank = self.global_rank
 
     # ---- process groups ----------------------------------------------------------------------
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
@@ -384,6 +341,7 @@ class ParallelStrategy(_LightningParallelStrategy):
             )
 
     # ---- model set-up --------------------------------------------------------------------------
+    @override
     def setup(self, trainer: Any) -> None:
         assert self.accelerator is not None and self.model is not None and self.mesh is not None
         self.accelerator.setup(trainer)
@@ -400,7 +358,7 @@ class ParallelStrategy(_LightningParallelStrategy):
                                     automatic_optimization=module.automatic_optimization,
                                     loss_scaler=getattr(self.precision_plugin, "scaler", None) is not None)
             self._unsplit_counts = parameters_per_module(module)
-            self._split(module)
+            split_model(self, module)
             if self.options.cp > 1:
                 path, blocks = find_blocks(module, self.options.pipeline_blocks)
                 self.context_parallel = ContextParallel(blocks, self.mesh.cp_group, path)
@@ -458,98 +416,6 @@ class ParallelStrategy(_LightningParallelStrategy):
             return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group=self.mesh.dp_group)
         return self._layer_sync.apply(model)
 
-    def _split(self, module: Any) -> None:
-        """Steps 1-3 of the module docstring on a module this strategy has not split before."""
-        self.pipeline = None
-        on_meta = has_meta_parameters(module)
-        self._agree_on_build(on_meta)
-        if on_meta:  # nothing to broadcast but values construction computed: the rest is replayed from one seed
-            unsplit = UnsplitModel.of(module)
-            seed = self.broadcast(torch.initial_seed())
-            broadcast_recorded_values(module)
-        elif on_host(module):  # split in host memory: only this rank's stage and shards reach the device
-            broadcast_on_host(module)  # rank 0's initial values everywhere (init.py)
-        else:  # built on the device already (trainer.init_module() without empty_init)
-            self.model_to_device()
-            _sync_module_states(module)
-        if self.options.tp > 1:
-            if self.options.pp == 1 and not on_meta:  # what the split must reproduce (checks/split_values.py)
-                self._tp_reference = unsplit_values(self, attached_trainer(module), module)
-            if self.options.verify_split:  # whole copies, before the split
-                self._split_check = prepare_split_check(module, self.mesh, self.options)
-            parallelize(module, self.mesh, plan=self.options.tp_plan, sequence_parallel=self.options.sequence_parallel)
-        self.experts = place_experts(module, self.mesh)  # whole experts per rank (expert_parallel > 1)
-        if self.options.pp > 1:
-            if self.options.tp > 1 and not on_meta:
-                # the trace runs the TP collectives, which NCCL runs on device tensors only: this rank's
-                # TP shard of every stage moves now, the other stages are dropped on the device below
-                self.model_to_device()
-            self.pipeline = PipelineEngine(module, self.mesh, self.options)
-            # the first batch shows the order modules run in (on the meta device for a meta-device model)
-            trainer = attached_trainer(module)
-            example, step = first_batch(trainer, self) if trainer is not None else (None, "training_step")
-            if not on_meta:  # traced where the parameters are (the CPU unless moved just above)
-                example = move_data_to_device(example, next(module.parameters()).device)
-            self.pipeline.partition(example, step)
-        if self.options.shards_parameters and self.mesh.dp_size > 1:
-            self._check_split_before_sharding(module, on_meta)
-            self._shard_over_replicas(module)
-        if on_meta:  # only this rank's stage and shards are ever allocated
-            materialize(module, unsplit, self.mesh.tp_rank, self.mesh.tp_size, self.root_device, seed)
-        self.model_to_device()
-        if self.fully_sharded is not None:
-            self.fully_sharded.ready()
-        if self.pipeline is not None:
-            self.pipeline.link.device = self.root_device
-        if self.splits_parameters:
-            self._split_module = weakref.ref(module)
-            self.parameter_share = measured_share(module, self._unsplit_counts[""][0])
-
-    def _check_split_before_sharding(self, module: Any, on_meta: bool) -> None:
-        """The TP split check (``checks/verify_split.py``) compares split units with whole copies parameter by
-        parameter; under ZeRO-2/3 it runs now, on this rank's stage and shards before their rows are spread
-        over the replicas. A model built on the meta device has no values yet: it is not checked."""
-        if self._split_check is None:
-            return
-        if on_meta:
-            rank_zero_warn("ZeRO-2/3 on a model built on the meta device: its tensor-parallel split is not checked "
-                           "against the whole model (the check needs values before the parameters are sharded)")
-        else:
-            self.model_to_device()
-            if self.pipeline is not None:
-                self.pipeline.link.device = self.root_device
-            self.split_verification = check_split_against_whole(self, attached_trainer(module), self._split_check,
-                                                                self._tp_reference)
-        self._split_check = None
-
-    def _shard_over_replicas(self, module: Any) -> None:
-        """Step 4 of the module docstring: ZeRO-2/3 over the data-parallel group, one unit per block."""
-        self.fully_sharded = FullySharded(module, self._sharding_units(module), self.mesh.device_mesh["dp"],
-                                          self.options.zero, keep_gathered=self.pipeline is not None,
-                                          mp_policy=self._gather_policy())
-        if self.pipeline is not None:
-            self.pipeline.replace_parameters(self.fully_sharded.replaced)
-
-    def _gather_policy(self) -> Optional[MixedPrecisionPolicy]:
-        """Under ``precision="bf16-mixed"`` (or ``"16-mixed"``) ZeRO-2/3 gathers parameters in the precision
-        autocast computes in, halving the bytes gathered and held, and reduces gradients in float32; the
-        optimizer steps float32 shards. Otherwise parameters are gathered and reduced as they are."""
-        low = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(str(self.precision_plugin.precision))
-        return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32) if low is not None else None
-
-    def _sharding_units(self, module: Any) -> list[Any]:
-        """The modules gathered one at a time under ZeRO-3: every module of the type of the model's repeated
-        blocks (those the pipeline splits; a ResNet's bottlenecks of every stage), innermost first. A model
-        without repeated blocks is one unit, gathered for the whole step."""
-        try:
-            path = self.pipeline.plan.blocks_path if self.pipeline is not None else find_blocks(
-                module, self.options.pipeline_blocks)[0]
-        except (PipelineConfigError, PipelineIncompatibleModel):
-            return []
-        kinds = {type(block) for block in module.get_submodule(path) if any(True for _ in block.parameters())}
-        units = [m for m in module.modules() if type(m) in kinds and any(True for _ in m.parameters())]
-        return units[::-1]
-
     @contextmanager
     def _gathered(self) -> Generator:
         """Inside, the root unit's parameters are gathered (ZeRO-2/3); afterwards every parameter is sharded
@@ -563,25 +429,16 @@ class ParallelStrategy(_LightningParallelStrategy):
         finally:
             self.fully_sharded.reshard()
 
-    def _agree_on_build(self, on_meta: bool) -> None:
-        """Refuse, on every rank, a model built on the meta device on some ranks and with values on others
-        (their splits would start with different collectives)."""
-        flags = torch.tensor([int(on_meta), -int(on_meta)], device=self.root_device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if flags[0] != -flags[1]:
-            raise LaunchError(
-                "the model was built on the meta device (empty_init) on some ranks and with values on others; "
-                "build it the same way on every rank"
-            )
-
     def _has_split(self, module: Any) -> bool:
         """Whether ``module`` is the one this strategy split (checking or splitting it again would fail)."""
         return self._split_module is not None and self._split_module() is module
 
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
 
+    @override
     @contextmanager
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator:
         """``trainer.init_module(empty_init=True)``: parameters on the meta device, materialised in
@@ -601,54 +458,6 @@ class ParallelStrategy(_LightningParallelStrategy):
         with empty_parameters(), self.precision_plugin.tensor_init_context():
             yield
 
-    # ---- checkpoints ---------------------------------------------------------------------------
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        # load into the set-up (possibly split) model, so each rank reads only what it holds
-        return True
-
-    def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
-        # what lp-export needs to write the module's Hugging Face models from this checkpoint alone
-        checkpoint = {**checkpoint, HF_RECORD_KEY: describe_hf_models(self.lightning_module)}
-        if not self.splits_parameters:
-            local = type(self.checkpoint_io) is TorchCheckpointIO and "://" not in str(filepath)
-            if not local or storage_options is not None:
-                return super().save_checkpoint(checkpoint, filepath, storage_options)
-            if self.is_global_zero:  # Lightning's writer may copy over the old file: see atomic.save_file
-                save_file(checkpoint, Path(filepath))
-            return None
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported with a "
-                            "split model: it writes a directory of shards itself, without the CheckpointIO plugin")
-        if self.fully_sharded is not None:  # the parameters as the optimizer holds them (an evaluation may gather)
-            self.fully_sharded.reshard()
-        save_sharded(self, checkpoint, filepath)
-
-    def optimizer_state(self, optimizer: Optimizer) -> dict:
-        if self.zero is not None and self.is_model_split:  # each rank saves its own slices (checkpoint/dcp.py)
-            return self.zero.local_state_dict(optimizer)
-        if self.zero is not None:  # the unsharded optimizer's state for a plain file, gathered on data-parallel rank 0
-            return self.zero.state_dict(optimizer)
-        return super().optimizer_state(optimizer)
-
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if self.zero is None:
-            return super().load_optimizer_state_dict(checkpoint)
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            self.zero.load_state_dict(optimizer, state)  # each rank keeps the slices it steps
-        _optimizers_to_device(self.optimizers, self.root_device)
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict:
-        # a plain file or a directory of shards, written on any layout
-        return load_sharded(self, checkpoint_path, weights_only)
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        # a directory of shards disappears by one rename first, so a crash never leaves half of one
-        if self.is_global_zero and Path(filepath).is_dir():
-            remove_checkpoint_dir(Path(filepath))
-        else:
-            super().remove_checkpoint(filepath)
-
     # ---- steps ---------------------------------------------------------------------------------
     def _before_forward(self) -> None:
         if self.buffer_broadcast is not None:
@@ -658,6 +467,7 @@ class ParallelStrategy(_LightningParallelStrategy):
         """Around a step or a backward: the sequence split over the CP ranks (``context_parallel/``)."""
         return self.context_parallel.active() if self.context_parallel is not None else nullcontext()
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._before_forward()
         if self.fully_sharded is not None:  # freed again at the end of backward
@@ -682,6 +492,7 @@ class ParallelStrategy(_LightningParallelStrategy):
             self.finalize_gradients()
         return loss
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         self._before_forward()
         with self._gathered():
@@ -691,6 +502,7 @@ class ParallelStrategy(_LightningParallelStrategy):
             with self.precision_plugin.val_step_context():
                 return self.pipeline.validation_step(*args, **kwargs)
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         self._before_forward()
         with self._gathered():
@@ -700,6 +512,7 @@ class ParallelStrategy(_LightningParallelStrategy):
             with self.precision_plugin.test_step_context():
                 return self.pipeline.test_step(*args, **kwargs)
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         self._before_forward()
         with self._gathered():
@@ -709,12 +522,14 @@ class ParallelStrategy(_LightningParallelStrategy):
             with self.precision_plugin.predict_step_context():
                 return self.pipeline.predict_step(*args, **kwargs)
 
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # Lightning registers its signal handlers after setup; take the requeue one over once
         self._requeue.install()
         self._requeue.at_batch_boundary(self.root_device)
 
     # ---- gradients -----------------------------------------------------------------------------
+    @override
     @contextmanager
     def block_backward_sync(self) -> Generator:
         """Lightning enters this on every batch of an accumulation window but the last."""
@@ -728,11 +543,13 @@ class ParallelStrategy(_LightningParallelStrategy):
         finally:
             self._sync_blocked = False
 
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         # blocks that activation checkpointing recomputes split their sequence again, and attend over the ring
         with self._sequence_split():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
+    @override
     def post_backward(self, closure_loss: Tensor) -> None:
         # after the window's last backward (manual optimisation: after every manual_backward)
         if not self._sync_blocked:
@@ -750,65 +567,14 @@ class ParallelStrategy(_LightningParallelStrategy):
         else:
             clip_grads_by_global_norm(params, float(clip_val), self.mesh, counted_once)
 
+    @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.zero is not None:
             self.zero.gather_params()
         return output
 
-    # ---- collectives ---------------------------------------------------------------------------
-    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Any = "mean") -> Any:
-        """Reduce over the data-parallel replicas (``self.log(..., sync_dist=True)`` comes here).
-
-        The ranks of one replica's tensor, context and pipeline groups hold the same logged values
-        (TP and CP ranks compute them alike, pipeline stages replay the last stage's), so reducing over
-        every rank would count a ``reduce_fx="sum"`` value tp x cp x pp times; the mean, max and min are
-        the same either way. An explicit ``group`` is used as given.
-        """
-        if isinstance(tensor, Tensor):
-            if group is None and self.mesh is not None and _distributed_is_initialized():
-                group = self.mesh.dp_group
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        """``self.all_gather``: one entry per data-parallel replica (and pipeline stage), not per TP or CP rank.
-
-        The TP and CP ranks of a replica hold the same values, as a model on one device would compute
-        them once; gathering them all would repeat every sample ``tensor_parallel x context_parallel``
-        times. A group other than the world is used as given.
-        """
-        gathered = super().all_gather(tensor, group, sync_grads)
-        default = group is None or group is dist.group.WORLD  # LightningModule.all_gather passes WORLD
-        mesh = self.mesh
-        if not default or mesh is None or mesh.tp_size * mesh.cp_size == 1 or not _distributed_is_initialized():
-            return gathered
-        me = mesh.my_coords
-        return gathered[[r for r in range(mesh.world_size) if (mesh.coords(r).tp, mesh.coords(r).cp) == (me.tp, me.cp)]]
-
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
-        """Whether every rank (``all``) or any rank decided so, over all ranks (early stopping, checkpoints)."""
-        if not _distributed_is_initialized():
-            return decision
-        flag = torch.tensor(int(decision), device=self.root_device)
-        dist.all_reduce(flag, op=dist.ReduceOp.SUM)
-        return bool(flag == self.world_size) if all else bool(flag)
-
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
-
+    @override
     def teardown(self) -> None:
         if self.grad_sync is not None:
             self.grad_sync.remove()

@@ -16,8 +16,18 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_parallel.checkpoint.consolidate import consolidate
 from lightning_parallel.checkpoint.export import export
 from lightning_parallel.strategy import ParallelStrategy
-from tests.expert_parallel.test_ep_training import LOSS_TOL, PARAM_TOL, MoELM, Record, tokens
-from tests.helpers.parity import assert_close_series, assert_params_close, fit_and_record
+from tests.expert_parallel.test_ep_training import (
+    LOSS_TOL,
+    PARAM_TOL,
+    MoELM,
+    Record,
+    tokens,
+)
+from tests.helpers.parity import (
+    assert_close_series,
+    assert_params_close,
+    fit_and_record,
+)
 
 EPOCH = 2  # steps per epoch: the checkpoint is taken at an epoch's end, where the sampler restarts
 

@@ -20,8 +20,13 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from lightning_parallel.strategy import ParallelStrategy
-from tests.helpers.parity import assert_close_series, assert_params_close, fit_and_record, mean_over_ranks
-from tests.helpers.parity import TensorDataset
+from tests.helpers.parity import (
+    TensorDataset,
+    assert_close_series,
+    assert_params_close,
+    fit_and_record,
+    mean_over_ranks,
+)
 
 SEQ, VOCAB, STEPS = 8, 64, 3
 LOSS_TOL = dict(atol=1e-5, rtol=1e-5)

@@ -5,10 +5,19 @@ a model without routed experts)."""
 import pytest
 import torch
 
-from lightning_parallel.checks.launch import validate_launch
 from lightning_parallel.checkpoint.chunks import tp_chunks
-from lightning_parallel.checkpoint.format import ExpertRows, global_shape, local_shape, local_tensor
-from lightning_parallel.errors import ConfigurationError, IncompatibleModelError, LaunchError
+from lightning_parallel.checkpoint.format import (
+    ExpertRows,
+    global_shape,
+    local_shape,
+    local_tensor,
+)
+from lightning_parallel.checks.launch import validate_launch
+from lightning_parallel.errors import (
+    ConfigurationError,
+    IncompatibleModelError,
+    LaunchError,
+)
 from lightning_parallel.expert_parallel import find_experts, owned_experts
 from lightning_parallel.expert_parallel.placement import owner_of
 from lightning_parallel.mesh import MeshError, ParallelMesh
