@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from lightning_parallel.errors import Fix, LaunchError
+from lightning_parallel.errors import ConfigurationError, Fix, LaunchError
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline.errors import (
@@ -182,4 +182,9 @@ def check_expert_parallel(model: nn.Module, ep: int) -> None:
             "3-D parameters called as experts(hidden_states, top_k_index, top_k_weights) (Hugging Face Mixtral, "
             "Qwen-MoE, DeepSeek-V3, OLMoE ...):", [Fix({"strategy.expert_parallel": 1})])
     for name, experts in found.items():
-        owned_experts(expert_count(name, experts), ep, 0)
+        count = expert_count(name, experts)
+        try:
+            owned_experts(count, ep, 0)
+        except ConfigurationError as err:
+            best = max(e for e in range(1, ep) if count % e == 0)
+            raise LaunchError(f"{name}: {err}, e.g.", [Fix({"strategy.expert_parallel": best})]) from None
