@@ -52,3 +52,15 @@ def all_to_all_bytes(tokens: int, hidden: int, k: int, layers: float, ep: int, a
     if ep == 1:
         return 0.0
     return 4 * layers * k * tokens * hidden * a_bytes * (ep - 1) / ep
+
+
+def held_with_experts(model: nn.Module, stages, tp_sharded: set[int], mesh) -> list[int]:
+    """Parameter elements each pipeline rank holds on one device (``estimate.parameters_per_rank``), the
+    routed experts' divided by ``mesh``'s expert-parallel size."""
+    from lightning_parallel.planner.estimate import parameters_per_rank
+
+    held = parameters_per_rank(model, stages, tp_sharded, mesh.tp_size)
+    if mesh.ep_size == 1:
+        return held
+    experts = expert_elements(model, tp_sharded, mesh.tp_size)
+    return [n - experts * (mesh.ep_size - 1) // mesh.ep_size for n in held]
