@@ -34,7 +34,8 @@ How the groups are created depends on the backend, so that a rank's cost does no
   makes every rank call ``new_group`` for every group of every dimension: ``W/tp + W/dp + W/pp`` calls,
   1,088 on each of 4,096 ranks for ``tp=8, pp=8``. Instead each rank creates only the three groups it
   is in (``new_group(..., use_local_synchronization=True)``) and wraps them with ``DeviceMesh.from_group``:
-  the same mesh, three calls (four with CP, five with its DP x CP group) whatever the world size.
+  the same mesh, three calls (four with CP, five with its DP x CP group, two more for the EP and
+  expert-data-parallel groups) whatever the world size.
 """
 
 from __future__ import annotations
