@@ -170,9 +170,10 @@ def test_tp2_dp2_ep2_matches_single_device(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_ep2_with_clipping_and_accumulation_matches_single_device(tmp_path):
+@pytest.mark.parametrize("dp", [2, 4])
+def test_ep2_with_clipping_and_accumulation_matches_single_device(tmp_path, dp):
     # the global norm sums the experts' squares over the EP ranks; accumulation holds both synchronizers back.
     # SGD (lr 10): each step is 10x the clipped gradient, ~1e-3 per element, so a norm missing the other
     # rank's experts (a coefficient off by a few %) is off by ~1e-5, ten times the tolerance of 1e-6
-    assert_matches_one_device(tmp_path, dp=2, ep=2, sgd=True, param_tol=dict(atol=1e-6, rtol=1e-5),
+    assert_matches_one_device(tmp_path, dp=dp, ep=2, sgd=True, param_tol=dict(atol=1e-6, rtol=1e-5),
                               gradient_clip_val=0.05, accumulate_grad_batches=2)
