@@ -51,7 +51,7 @@ from lightning_parallel.planner.estimate import (
     estimate_memory,
     tp_sharded_parameters,
 )
-from lightning_parallel.planner.experts import held_with_experts
+from lightning_parallel.planner.experts import experts_placed, held_with_experts
 from lightning_parallel.tensor_parallel.resolve import divisors
 
 
@@ -143,7 +143,8 @@ def build_plan(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> LaunchPl
         tp_plan=dict(Counter(f"{a.glob}: {a.entry.style}" for a in assignments if a.entry.style)),
         search=searched,
         memory_left_out=None if memory else unknown,
-        share=planned_share(model, assignments, mesh.tp_size, stages if mesh.pp_size > 1 else None),
+        share=experts_placed(planned_share(model, assignments, mesh.tp_size, stages if mesh.pp_size > 1 else None),
+                             model, assignments, mesh),
     )
 
 

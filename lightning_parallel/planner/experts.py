@@ -64,3 +64,16 @@ def held_with_experts(model: nn.Module, stages, tp_sharded: set[int], mesh) -> l
         return held
     experts = expert_elements(model, tp_sharded, mesh.tp_size)
     return [n - experts * (mesh.ep_size - 1) // mesh.ep_size for n in held]
+
+
+def experts_placed(share, model: nn.Module, assignments: list, mesh):
+    """``share`` (``checks.share.planned_share``) with the routed experts' parameters divided by ``mesh``'s
+    expert-parallel size."""
+    if mesh.ep_size == 1:
+        return share
+    from dataclasses import replace
+
+    from lightning_parallel.planner.estimate import tp_sharded_parameters
+
+    experts = expert_elements(model, tp_sharded_parameters(assignments), mesh.tp_size)
+    return replace(share, largest=share.largest - experts * (mesh.ep_size - 1) // mesh.ep_size)

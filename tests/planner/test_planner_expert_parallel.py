@@ -59,3 +59,20 @@ def test_ep_layout_predicts_its_all_to_alls():
     rates = cluster().rates
     assert split.expert_parallel == pytest.approx(sent / rates.intra_bandwidth + 4 * 2 * 3 * rates.latency)
     assert split.bytes_moved >= sent  # counted with the other collectives' bytes
+
+
+def test_lp_plan_reports_an_ep_layout_with_the_experts_divided():
+    from lightning_parallel.cli.launch_plan import build_plan, format_plan
+    from lightning_parallel.cli.overrides import compose_config
+
+    def plan(ep: int):
+        return build_plan(compose_config(
+            ["strategy=ep", "trainer.devices=4", f"strategy.expert_parallel={ep}", "model=custom",
+             "model._target_=tests.expert_parallel.test_ep_training.MoELM", "data.block_size=8"]), env={})
+
+    held = {ep: plan(ep).memory[0].params for ep in (1, 2, 4)}
+    experts = 2 * (4 * 64 * 32 + 4 * 32 * 32)  # Mixtral's 2 layers of 4 experts (hidden 32, intermediate 32)
+    assert held[1] - held[2] == experts // 2 and held[1] - held[4] == experts * 3 // 4
+    text = format_plan(plan(2))
+    assert "ep groups: [0, 1] [2, 3]" in text and "expert dp groups: [0, 2] [1, 3]" in text
+    assert f"({held[2]:,} of {held[1]:,})" in text
