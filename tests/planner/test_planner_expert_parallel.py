@@ -75,4 +75,4 @@ def test_lp_plan_reports_an_ep_layout_with_the_experts_divided():
     assert held[1] - held[2] == experts // 2 and held[1] - held[4] == experts * 3 // 4
     text = format_plan(plan(2))
     assert "ep groups: [0, 1] [2, 3]" in text and "expert dp groups: [0, 2] [1, 3]" in text
-    assert f"({held[2]:,} of {held[1]:,})" in text
+    assert f"{held[2]:,} of {held[1]:,})" in text  # the share of the largest rank
