@@ -60,12 +60,15 @@ def route_to_first_two(router, args, out):
 class MoELM(L.LightningModule):
     """A user's module: a tiny Hugging Face MoE causal LM, loss on all tokens (no auxiliary loss)."""
 
-    def __init__(self, family: str = "mixtral", only_two_experts: bool = False, sgd: bool = False) -> None:
+    def __init__(self, family: str = "mixtral", only_two_experts: bool = False, sgd: bool = False,
+                 checkpointing: bool = False) -> None:
         super().__init__()
         self.sgd = sgd
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_config(moe_config(family))
+        if checkpointing:  # blocks recomputed in backward: their all-to-alls run again, inside backward
+            self.model.gradient_checkpointing_enable({"use_reentrant": False})
         if only_two_experts:  # experts 0 and 1 take every token: 2 and 3 (rank 1's at EP2) receive none
             for module in self.model.modules():
                 if type(module).__name__.lower().endswith("topkrouter"):
@@ -117,9 +120,9 @@ def tokens(samples: int = 16) -> TensorDataset:
 
 def assert_matches_one_device(tmp_path, dp: int, ep: int, tp: int = 1, family: str = "mixtral",
                               only_two_experts: bool = False, sgd: bool = False, param_tol: dict = PARAM_TOL,
-                              **trainer) -> list:
+                              checkpointing: bool = False, **trainer) -> list:
     L.seed_everything(0)
-    module, data = MoELM(family, only_two_experts, sgd), tokens()
+    module, data = MoELM(family, only_two_experts, sgd, checkpointing), tokens()
     expected = fit_and_record(module, data, 2 * dp, str(tmp_path / "one"), max_steps=STEPS, emulate_replicas=dp,
                               **trainer)[0]
     out = tmp_path / "ep"
@@ -152,6 +155,11 @@ def test_ep2_expert_without_tokens_matches_single_device(tmp_path):
     records = assert_matches_one_device(tmp_path, dp=2, ep=2, only_two_experts=True)
     for step in records[0]["tokens"]:
         assert step["tokens_per_expert/2"] == step["tokens_per_expert/3"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_ep2_with_activation_checkpointing_matches_single_device(tmp_path):
+    assert_matches_one_device(tmp_path, dp=2, ep=2, family="qwen3_moe", checkpointing=True)
 
 
 @pytest.mark.timeout(120)
