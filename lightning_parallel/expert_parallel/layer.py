@@ -54,13 +54,16 @@ class ExpertParallelMixin:
         shard, ep = self.expert_shard, self.ep_size
         k = top_k_index.shape[-1]
         experts = top_k_index.reshape(-1)  # (tokens * k,) global expert ids
-        order = torch.argsort(experts, stable=True)  # by expert, hence by owning rank
-        per_expert = torch.bincount(experts, minlength=shard.total)
+        # by expert, hence by owning rank; an id past the last expert (a dropped assignment, which the
+        # Hugging Face loops skip) sorts last and is not sent
+        order = torch.argsort(experts, stable=True)
+        per_expert = torch.bincount(experts.clamp(max=shard.total), minlength=shard.total + 1)[: shard.total]
         self.tokens_per_expert = per_expert.detach()
         send_counts = per_expert.view(ep, shard.count)
         recv_counts = exchange_counts(send_counts, self.ep_group)
         both = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()  # the layer's one host read
         send, recv = both[0], both[1]
+        order = order[: sum(send)]
         token_of = order // k
         received = all_to_all(hidden_states[token_of], send, recv, self.ep_group)  # (received, hidden)
         local_ids = torch.arange(shard.count, device=experts.device).repeat(ep)

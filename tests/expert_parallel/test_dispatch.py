@@ -92,3 +92,22 @@ def test_dispatch_and_combine_match_one_process(world, num_experts, only_expert0
         assert int(tokens["experts"].sum()) == TOKENS * K
     if only_expert0:  # rank 1 received nothing: its experts' gradients are zero, not missing
         assert all(float(g.abs().max()) == 0.0 for g in results[1][3].values())
+
+
+def _dropped(rank, world):
+    """Assignments with the id one past the last expert are skipped, as the Hugging Face loop skips them."""
+    mesh = make_mesh(rank, world)
+    holder = Holder(experts_module(4))
+    whole = experts_module(4)
+    parallelize_experts(holder, mesh.dp_group, world, rank)
+    x, index, weights, _ = routing(world, 4, False)
+    mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
+    x, index, weights = x[mine], index[mine].clone(), weights[mine]
+    index[::3, 1] = 4  # every third token's second expert dropped
+    return holder.experts(x, index, weights), whole(x, index, weights)
+
+
+@pytest.mark.timeout(60)
+def test_dropped_assignments_are_skipped_as_on_one_process():
+    for placed, whole in run_distributed(_dropped, 2):
+        torch.testing.assert_close(placed, whole, **TOL)
