@@ -15,7 +15,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from lightning_parallel.expert_parallel.placement import expert_count, find_experts, per_expert_parameter_names
+from lightning_parallel.expert_parallel.placement import (
+    expert_count,
+    find_experts,
+    per_expert_parameter_names,
+)
 
 
 def expert_elements(model: nn.Module, tp_sharded: set[int], tp: int) -> int:
