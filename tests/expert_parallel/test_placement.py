@@ -121,3 +121,23 @@ def test_expert_rows_are_saved_at_their_global_ids():
     assert global_shape(torch.Size([2, 4, 6]), both, 2) == (4, 8, 6)
     chunks = tp_chunks((4, 8, 6), both, 1, 2)
     assert [(c.offsets, c.sizes) for c in chunks] == [((2, 2, 0), (2, 2, 6)), ((2, 6, 0), (2, 2, 6))]
+
+
+def test_strategy_refuses_before_any_worker_starts():
+    import lightning as L
+
+    from lightning_parallel.models.gpt import GPT
+    from lightning_parallel.strategy import ParallelStrategy
+    from tests.expert_parallel.test_ep_training import MoELM, tokens
+
+    def fit(module, devices=4, **sizes):
+        trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=ParallelStrategy(start_method="fork", **sizes),
+                            max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+        trainer.fit(module, torch.utils.data.DataLoader(tokens(), batch_size=2))
+
+    with pytest.raises(LaunchError, match="no Mixture-of-Experts layer"):
+        fit(GPT(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16), expert_parallel=2)
+    with pytest.raises(LaunchError, match="(?s)does not divide the 4 experts.*expert_parallel=4"):
+        fit(MoELM(), devices=8, expert_parallel=8)
+    with pytest.raises(ConfigurationError, match="expert_parallel=2 with pipeline_parallel=2"):
+        fit(MoELM(), expert_parallel=2, pipeline_parallel=2)
