@@ -60,7 +60,8 @@ class ParallelOptions:
     """Data-parallel ranks that hold different whole experts of each Mixture-of-Experts layer, tokens sent
     to their experts' rank and back with all-to-all (``expert_parallel/``); must divide ``data_parallel``
     and each MoE layer's expert count. Expert gradients are averaged over the replicas holding the same
-    experts, the rest over all data-parallel ranks. Not with pipeline or context parallelism, nor ZeRO."""
+    experts, the rest over all data-parallel ranks. Not with pipeline or context parallelism, nor ZeRO-2/3
+    (ZeRO-1 shards the dense parameters' optimizer state)."""
 
     micro_batches: Optional[int] = None
     """Micro-batches per training batch under pipeline parallelism; None: one per stage."""
@@ -151,13 +152,13 @@ class ParallelOptions:
             return
         others = [(f"pipeline_parallel={self.pipeline_parallel}", self.pipeline_parallel not in (1, AUTO)),
                   (f"context_parallel={self.context_parallel}", self.context_parallel != 1),
-                  (f"zero_stage={self.zero_stage}", self.zero_stage not in (0, AUTO))]
+                  (f"zero_stage={self.zero_stage}", self.zero_stage not in (0, 1, AUTO))]
         for what, given in others:
             if given:
                 raise ConfigurationError(
                     f"expert_parallel={ep} with {what} is not supported: expert parallelism composes with data "
                     f"parallelism (data_parallel a multiple of {ep}) and tensor parallelism, with "
-                    "pipeline_parallel=1, context_parallel=1 and zero_stage=0; drop one of the two")
+                    "pipeline_parallel=1, context_parallel=1 and zero_stage 0 or 1; drop one of the two")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "ParallelOptions":

@@ -137,7 +137,7 @@ class Constraints:
     zero: Optional[int] = None
     recompute: tuple[bool, ...] = (False, True)
     cp: int = 1  # context parallelism is asked for, never searched
-    ep: int = 1  # so is expert parallelism (only with pp = 1 and ZeRO off, dp a multiple of it)
+    ep: int = 1  # so is expert parallelism (only with pp = 1 and ZeRO 0 or 1, dp a multiple of it)
 
 
 @dataclass(frozen=True)
@@ -240,18 +240,21 @@ def enumerate_layouts(model: nn.Module, cluster: Cluster, work: Workload,
                         experts[tp] = expert_elements(model, tp_sharded_parameters(assignments), tp)
                         held[placed] = [n - experts[tp] * (ep - 1) // ep for n in held[placed]]
                 base = Layout(tp, pp, dp, micro_batches, schedule, chunks, cp=cp, ep=ep)
-                for zero in _choices(fixed.zero, dp * cp, cp) if ep == 1 else (0,):
+                for zero in _choices(fixed.zero, dp * cp, cp, ep):
                     for recompute in fixed.recompute:
                         layout = replace(base, zero=zero, recompute=recompute)
                         found.append(_candidate(model, layout, replica_batch, split, held[placed], work))
     return found
 
 
-def _choices(zero: Optional[int], replicas: int, cp: int) -> tuple[int, ...]:
+def _choices(zero: Optional[int], replicas: int, cp: int, ep: int = 1) -> tuple[int, ...]:
     """ZeRO stages to try over ``replicas`` (DP x CP) ranks: ZeRO-2/3 shard over DP alone and are not
-    composed with context parallelism."""
+    composed with context parallelism; with expert parallelism only ZeRO-1 where asked (it shards the
+    dense parameters' optimizer state, which the estimate does not tell apart from the experts')."""
     if replicas == 1:
         return (0,)  # nothing to shard over (the DP x CP ranks hold the same parameters)
+    if ep > 1:
+        return (0,) if zero is None else tuple(s for s in (zero,) if s in (0, 1))
     stages = (0, 1) if cp > 1 else (0, 1, 2, 3)
     return stages if zero is None else tuple(s for s in (zero,) if s in stages)
 

@@ -9,7 +9,8 @@ model's values agree on every rank (and after a tensor-parallel split). Then:
   group), and each of its gradients already sums the contributions of the tokens of all ``ep`` ranks it
   served (the all-to-all's backward). Each rank's loss is the mean of its own batch, so the sum over the
   expert-data-parallel group is divided by the whole data-parallel size ``dp`` (Megatron-LM scales expert
-  gradients the same way). Two bucketed synchronizers, one per group, behave as one.
+  gradients the same way). Two bucketed synchronizers, one per group, behave as one. Under ZeRO-1 the
+  dense parameters' optimizer state is sharded over the data-parallel ranks; the experts' stays whole.
 - **logging**: after each training step the assignments each expert received (summed over the layers and
   the data-parallel replicas, one all-reduce) are logged as ``tokens_per_expert/<e>``, and their imbalance
   (``max / mean``; 1 is a perfect balance) as ``tokens_per_expert/imbalance``.
@@ -80,9 +81,15 @@ def gradient_synchronizer(module: nn.Module, mesh: ParallelMesh, bucket_size_mb:
     expert_params = {id(p) for p in experts.parameters()}
     dense = [p for p in module.parameters() if id(p) not in expert_params]
     return ExpertAndDenseSync(
-        GradientSynchronizer(dense, mesh.dp_cp_group, bucket_size_mb),
+        GradientSynchronizer(dense, mesh.dp_cp_group, bucket_size_mb, shard=shard),
         GradientSynchronizer(experts.parameters(), mesh.edp_group, bucket_size_mb, average_over=mesh.dp_size),
     )
+
+
+def dense_part(sync: Any) -> GradientSynchronizer:
+    """The synchronizer of the parameters every data-parallel rank holds: the one ZeRO-1 shards the
+    optimizer state of (the experts' state stays whole on the ranks holding them)."""
+    return sync.parts[0] if isinstance(sync, ExpertAndDenseSync) else sync
 
 
 def log_tokens_per_expert(module: Any, experts: ExpertParallel, dp_group: Any) -> None:

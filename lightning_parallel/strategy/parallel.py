@@ -70,7 +70,7 @@ from lightning_parallel.strategy.checkpointing import SplitCheckpoints
 from lightning_parallel.strategy.clipping import clip_grads_by_global_norm
 from lightning_parallel.strategy.collectives import MeshCollectives
 from lightning_parallel.strategy.compose import split_model
-from lightning_parallel.strategy.experts import gradient_synchronizer, log_tokens_per_expert
+from lightning_parallel.strategy.experts import dense_part, gradient_synchronizer, log_tokens_per_expert
 from lightning_parallel.strategy.gradients import GradientFinalizer, shared_across_stages
 from lightning_parallel.strategy.launcher import MultiProcessingLauncher, SubprocessScriptLauncher
 from lightning_parallel.strategy.materialize import builds_later, empty_parameters, has_meta_parameters
@@ -381,7 +381,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
             if self.fully_sharded is not None:
                 refuse_whole_tensor_optimizers(self.optimizers, self.options.zero)
             if self.grad_sync is not None and self.options.zero == 1:
-                self.zero = ZeroOneSharding(self.grad_sync, self.optimizers)
+                self.zero = ZeroOneSharding(dense_part(self.grad_sync), self.optimizers)
             sequence_parallel = self.options.sequence_parallel and self.options.tp > 1
             self.finalize_gradients = GradientFinalizer(module, self.pipeline, self.grad_sync, self.zero,
                                                         self.mesh if sequence_parallel else None, self.fully_sharded)
@@ -560,7 +560,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         counted_once = self.pipeline.is_counted_once if self.pipeline is not None else (lambda p: True)
         if self.zero is not None:
             original = self.zero.original
-            clip_grads_by_global_norm(params, float(clip_val), self.mesh, lambda p: counted_once(original[p]),
+            clip_grads_by_global_norm(params, float(clip_val), self.mesh, lambda p: counted_once(original.get(p, p)),
                                       sharded_over_dp=True)
         elif self.fully_sharded is not None:
             clip_grads_by_global_norm(params, float(clip_val), self.mesh, counted_once, sharded_over_dp=True)

@@ -32,11 +32,11 @@ from tests.helpers.parity import (
 EPOCH = 2  # steps per epoch: the checkpoint is taken at an epoch's end, where the sampler restarts
 
 
-def fit(module, out, ep: int, steps: int, **kwargs) -> dict:
+def fit(module, out, ep: int, steps: int, zero_stage: int = 0, **kwargs) -> dict:
     """Rank 0's record (losses, and every parameter whole) of ``steps`` steps on 2 data-parallel ranks."""
     callbacks = [Record(str(out))] + kwargs.pop("callbacks", [])
-    record = fit_and_record(module, tokens(4 * EPOCH), 2, str(out), devices=2, max_steps=steps,
-                            strategy=ParallelStrategy(data_parallel=2, expert_parallel=ep, start_method="fork"),
+    strategy = ParallelStrategy(data_parallel=2, expert_parallel=ep, zero_stage=zero_stage, start_method="fork")
+    record = fit_and_record(module, tokens(4 * EPOCH), 2, str(out), devices=2, max_steps=steps, strategy=strategy,
                             callbacks=callbacks, **kwargs)[0]
     return {**record, "params": torch.load(out / "whole0.pt")["params"]}
 
@@ -75,3 +75,18 @@ def test_checkpoint_saved_without_expert_parallelism_resumes_at_ep2(tmp_path):
     resumed = fit(module, tmp_path / "ep2", ep=2, steps=2 * EPOCH, ckpt_path=str(tmp_path / "ckpt" / "epoch.ckpt"))
     assert_close_series(resumed["losses"], whole["losses"][EPOCH:], **LOSS_TOL)
     assert_params_close(resumed["params"], whole["params"], **PARAM_TOL)
+
+
+@pytest.mark.timeout(180)
+def test_checkpoint_saved_at_ep2_with_zero1_resumes_without_either(tmp_path):
+    # the dense parameters' optimizer state written as each rank's ZeRO-1 slices, the experts' whole per rank
+    L.seed_everything(0)
+    module = MoELM()
+    whole = fit(module, tmp_path / "whole", ep=2, zero_stage=1, steps=2 * EPOCH)
+    save = ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="epoch", every_n_train_steps=EPOCH)
+    fit(module, tmp_path / "first", ep=2, zero_stage=1, steps=EPOCH, enable_checkpointing=True, callbacks=[save])
+    for ep, zero_stage in ((1, 0), (2, 1)):
+        resumed = fit(module, tmp_path / f"ep{ep}", ep=ep, zero_stage=zero_stage, steps=2 * EPOCH,
+                      ckpt_path=str(tmp_path / "ckpt" / "epoch.ckpt"))
+        assert_close_series(resumed["losses"], whole["losses"][EPOCH:], **LOSS_TOL)
+        assert_params_close(resumed["params"], whole["params"], **PARAM_TOL)

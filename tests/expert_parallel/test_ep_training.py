@@ -120,13 +120,13 @@ def tokens(samples: int = 16) -> TensorDataset:
 
 def assert_matches_one_device(tmp_path, dp: int, ep: int, tp: int = 1, family: str = "mixtral",
                               only_two_experts: bool = False, sgd: bool = False, param_tol: dict = PARAM_TOL,
-                              checkpointing: bool = False, **trainer) -> list:
+                              checkpointing: bool = False, zero_stage: int = 0, **trainer) -> list:
     L.seed_everything(0)
     module, data = MoELM(family, only_two_experts, sgd, checkpointing), tokens()
     expected = fit_and_record(module, data, 2 * dp, str(tmp_path / "one"), max_steps=STEPS, emulate_replicas=dp,
                               **trainer)[0]
     out = tmp_path / "ep"
-    strategy = ParallelStrategy(expert_parallel=ep, tensor_parallel=tp, start_method="fork")
+    strategy = ParallelStrategy(expert_parallel=ep, tensor_parallel=tp, zero_stage=zero_stage, start_method="fork")
     got = fit_and_record(module, data, 2, str(out), devices=dp * tp, max_steps=STEPS, strategy=strategy,
                          callbacks=[Record(str(out))], **trainer)
     assert_close_series(mean_over_ranks(got), expected["losses"], **LOSS_TOL)
@@ -178,10 +178,16 @@ def test_tp2_dp2_ep2_matches_single_device(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("dp", [2, 4])
-def test_ep2_with_clipping_and_accumulation_matches_single_device(tmp_path, dp):
+@pytest.mark.parametrize("dp,zero_stage", [(2, 0), (4, 0), (4, 1)])
+def test_ep2_with_clipping_and_accumulation_matches_single_device(tmp_path, dp, zero_stage):
     # the global norm sums the experts' squares over the EP ranks; accumulation holds both synchronizers back.
     # SGD (lr 10): each step is 10x the clipped gradient, ~1e-3 per element, so a norm missing the other
     # rank's experts (a coefficient off by a few %) is off by ~1e-5, ten times the tolerance of 1e-6
     assert_matches_one_device(tmp_path, dp=dp, ep=2, sgd=True, param_tol=dict(atol=1e-6, rtol=1e-5),
-                              gradient_clip_val=0.05, accumulate_grad_batches=2)
+                              zero_stage=zero_stage, gradient_clip_val=0.05, accumulate_grad_batches=2)
+
+
+@pytest.mark.timeout(120)
+def test_ep2_with_zero1_matches_single_device(tmp_path):
+    # ZeRO-1 shards the dense parameters' optimizer state over DP; the experts' stays whole on their ranks
+    assert_matches_one_device(tmp_path, dp=4, ep=2, zero_stage=1)

@@ -62,7 +62,7 @@ def test_ep_that_does_not_divide_dp_is_refused():
         validate_launch(ParallelOptions(expert_parallel=4, tensor_parallel=2), 1, 4)
 
 
-@pytest.mark.parametrize("other", [dict(pipeline_parallel=2), dict(context_parallel=2), dict(zero_stage=1),
+@pytest.mark.parametrize("other", [dict(pipeline_parallel=2), dict(context_parallel=2), dict(zero_stage=2),
                                    dict(zero_stage=3)])
 def test_unsupported_compositions_are_refused(other):
     with pytest.raises(ConfigurationError, match="expert_parallel=2 with .* is not supported"):
