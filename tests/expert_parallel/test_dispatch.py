@@ -9,6 +9,7 @@ weights or a weight applied twice is off by O(1).
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lightning_parallel.expert_parallel import parallelize_experts
 from tests.helpers.processes import make_mesh, run_distributed
@@ -111,3 +112,19 @@ def _dropped(rank, world):
 def test_dropped_assignments_are_skipped_as_on_one_process():
     for placed, whole in run_distributed(_dropped, 2):
         torch.testing.assert_close(placed, whole, **TOL)
+
+
+def _groups(rank, world):
+    from lightning_parallel.mesh import ParallelMesh
+
+    mesh = ParallelMesh(world, tensor_parallel=2, expert_parallel=2).init_process_groups(rank)  # dp=4
+    return (dist.get_process_group_ranks(mesh.ep_group), dist.get_process_group_ranks(mesh.edp_group),
+            mesh.ep_rank)
+
+
+@pytest.mark.timeout(60)
+def test_ep_and_expert_replica_groups_are_created_on_every_rank():
+    mesh_groups = run_distributed(_groups, 8)
+    assert [g[0] for g in mesh_groups] == [[0, 2], [1, 3], [0, 2], [1, 3], [4, 6], [5, 7], [4, 6], [5, 7]]
+    assert [g[1] for g in mesh_groups] == [[0, 4], [1, 5], [2, 6], [3, 7], [0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [g[2] for g in mesh_groups] == [0, 0, 1, 1, 0, 0, 1, 1]
