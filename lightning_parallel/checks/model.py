@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from lightning_parallel.errors import ConfigurationError, Fix, LaunchError
+from lightning_parallel.expert_parallel.placement import expert_count, find_experts, owned_experts
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline.errors import (
@@ -173,8 +174,6 @@ def check_training_mode(model: nn.Module, pipeline_parallel: int, automatic_opti
 def check_expert_parallel(model: nn.Module, ep: int) -> None:
     """Refuse a model without routed experts, or whose expert count ``ep`` does not divide (every
     rank holds the same number of whole experts), before any process group exists."""
-    from lightning_parallel.expert_parallel.placement import expert_count, find_experts, owned_experts
-
     found = find_experts(model)
     if not found:
         raise LaunchError(
