@@ -9,7 +9,11 @@ from collections.abc import Mapping
 from torch import nn
 
 from lightning_parallel.errors import ConfigurationError, Fix, LaunchError
-from lightning_parallel.expert_parallel.placement import expert_count, find_experts, owned_experts
+from lightning_parallel.expert_parallel.placement import (
+    expert_count,
+    find_experts,
+    owned_experts,
+)
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline.errors import (
