@@ -16,6 +16,15 @@ over the CP ranks of a replica as over its DP peers, so gradients are averaged o
 the DP and CP ranks together (``dp_cp_group``, Megatron-LM's data-parallel group "with context
 parallel").
 
+Expert parallelism (``expert_parallel/``) is carved from the DP ranks, as Megatron-LM does for its MoE
+layers: the ``dp`` replicas of one ``(pp, cp, tp)`` coordinate form ``dp / ep`` runs of ``ep`` consecutive
+replicas, and each run is an EP group whose ranks hold different experts (``ep_rank = dp_rank % ep``).
+Dense parameters stay replicated over all DP ranks; an expert's parameters are replicated only over the
+replicas with the same ``ep_rank`` (the "expert data parallel" group, ``edp_rank = dp_rank // ep``), and
+their gradients are averaged there::
+
+    dp ranks 0 1 2 3, ep=2:  EP groups [0 1] [2 3]   expert-data-parallel groups [0 2] [1 3]
+
 How the groups are created depends on the backend, so that a rank's cost does not grow with the world:
 
 - NCCL with a device bound at ``init_process_group`` (the strategy binds one on GPUs): a new group's
@@ -25,7 +34,8 @@ How the groups are created depends on the backend, so that a rank's cost does no
   makes every rank call ``new_group`` for every group of every dimension: ``W/tp + W/dp + W/pp`` calls,
   1,088 on each of 4,096 ranks for ``tp=8, pp=8``. Instead each rank creates only the three groups it
   is in (``new_group(..., use_local_synchronization=True)``) and wraps them with ``DeviceMesh.from_group``:
-  the same mesh, three calls (four with CP, five with its DP x CP group) whatever the world size.
+  the same mesh, three calls (four with CP, five with its DP x CP group, two more for the EP and
+  expert-data-parallel groups) whatever the world size.
 """
 
 from __future__ import annotations
@@ -56,6 +66,10 @@ class MeshCoords:
     dp: int
     tp: int
     cp: int = 0
+    ep: int = 0
+    """Which experts this rank holds: ``dp % expert_parallel`` (0 without expert parallelism)."""
+    edp: int = 0
+    """Which replica of its experts this rank is: ``dp // expert_parallel``."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -72,6 +86,8 @@ class ParallelMesh:
         pipeline_parallel: pipeline stages.
         data_parallel: model replicas; ``"auto"`` (or ``-1``) takes the ranks left over.
         context_parallel: ranks that split each sequence of a replica's batch (``context_parallel/``).
+        expert_parallel: data-parallel ranks that hold different experts of each MoE layer
+            (``expert_parallel/``); must divide ``data_parallel``.
     """
 
     world_size: int
@@ -79,8 +95,11 @@ class ParallelMesh:
     pipeline_parallel: int = 1
     data_parallel: Union[int, str] = "auto"
     context_parallel: int = 1
+    expert_parallel: int = 1
     _device_mesh: Optional[DeviceMesh] = field(default=None, init=False, repr=False)
     _dp_cp_group: Optional[dist.ProcessGroup] = field(default=None, init=False, repr=False)
+    _ep_group: Optional[dist.ProcessGroup] = field(default=None, init=False, repr=False)
+    _edp_group: Optional[dist.ProcessGroup] = field(default=None, init=False, repr=False)
     rank: Optional[int] = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -104,6 +123,15 @@ class ParallelMesh:
             raise MeshError(
                 f"data_parallel={d} x tensor_parallel={t} x pipeline_parallel={p}{cp} = {d * t * p * c} processes, "
                 f"but the world size is {w}. {self._suggestion()}"
+            )
+        e = self.expert_parallel
+        if not isinstance(e, int) or e < 1:
+            raise MeshError(f"expert_parallel must be a positive integer, got {e!r}")
+        if d % e:
+            fitting = ", ".join(str(k) for k in _divisors(d))
+            raise MeshError(
+                f"expert_parallel={e} does not divide data_parallel={d}: expert-parallel groups are carved from "
+                f"the data-parallel replicas. Use expert_parallel in ({fitting}), or data_parallel a multiple of {e}."
             )
 
     def _suggestion(self) -> str:
@@ -136,6 +164,15 @@ class ParallelMesh:
         return self.context_parallel
 
     @property
+    def ep_size(self) -> int:
+        return self.expert_parallel
+
+    @property
+    def edp_size(self) -> int:
+        """Replicas of each expert: the data-parallel ranks over which its gradients are averaged."""
+        return self.dp_size // self.ep_size
+
+    @property
     def dims(self) -> tuple[str, ...]:
         """The mesh's dimension names, slowest first: ``("pp", "dp", "tp")``, with ``"cp"`` before
         ``"tp"`` when the sequence is split."""
@@ -149,7 +186,7 @@ class ParallelMesh:
         cp = (rank // self.tp_size) % self.cp_size
         dp = (rank // (self.tp_size * self.cp_size)) % self.dp_size
         pp = rank // (self.tp_size * self.cp_size * self.dp_size)
-        return MeshCoords(pp=pp, dp=dp, tp=tp, cp=cp)
+        return MeshCoords(pp=pp, dp=dp, tp=tp, cp=cp, ep=dp % self.ep_size, edp=dp // self.ep_size)
 
     def rank_of(self, pp: int, dp: int, tp: int, cp: int = 0) -> int:
         return ((pp * self.dp_size + dp) * self.cp_size + cp) * self.tp_size + tp
@@ -180,6 +217,16 @@ class ParallelMesh:
         firsts = [r for r in range(self.world_size) if self.coords(r).dp == 0 and self.coords(r).cp == 0]
         return [self.group_ranks("dp_cp", r) for r in firsts]
 
+    def ep_groups(self) -> list[list[int]]:
+        """All expert-parallel groups: ``ep_size`` consecutive DP replicas of one (pp, cp, tp) coordinate."""
+        firsts = [r for r in range(self.world_size) if self.coords(r).ep == 0]
+        return [self.group_ranks("ep", r) for r in firsts]
+
+    def edp_groups(self) -> list[list[int]]:
+        """All expert-data-parallel groups: the DP replicas holding the same experts (same ``ep``)."""
+        firsts = [r for r in range(self.world_size) if self.coords(r).edp == 0]
+        return [self.group_ranks("edp", r) for r in firsts]
+
     def describe(self, devices_per_node: Optional[int] = None) -> str:
         """A human-readable table of every rank's coordinates (and node, when known)."""
         cp = f" x cp={self.cp_size}" if self.cp_size > 1 else ""
@@ -192,6 +239,9 @@ class ParallelMesh:
         for kind in ("tp", "cp", "dp", "pp") if self.cp_size > 1 else ("tp", "dp", "pp"):
             groups = getattr(self, f"{kind}_groups")()
             lines.append(f"  {kind} groups: " + " ".join(str(g) for g in groups))
+        if self.ep_size > 1:
+            lines.append("  ep groups: " + " ".join(str(g) for g in self.ep_groups()))
+            lines.append("  expert dp groups: " + " ".join(str(g) for g in self.edp_groups()))
         return "\n".join(lines)
 
     # ---- process groups -----------------------------------------------------------------------
@@ -212,6 +262,9 @@ class ParallelMesh:
             self._device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
             if self.cp_size > 1:
                 self._dp_cp_group = dist.split_group(split_ranks=self.dp_cp_groups())
+            if self.ep_size > 1:
+                self._ep_group = dist.split_group(split_ranks=self.ep_groups())
+                self._edp_group = dist.split_group(split_ranks=self.edp_groups())
             return self
         # the same order on every rank, so the groups' barriers cannot wait on each other
         groups = [self.subgroup(self.group_ranks(kind, rank)) for kind in names]
@@ -219,11 +272,14 @@ class ParallelMesh:
         self._device_mesh = DeviceMesh.from_group(groups, device_type, mesh=layout, mesh_dim_names=names)
         if self.cp_size > 1:
             self._dp_cp_group = self.subgroup(self.group_ranks("dp_cp", rank))
+        if self.ep_size > 1:
+            self._ep_group = self.subgroup(self.group_ranks("ep", rank))
+            self._edp_group = self.subgroup(self.group_ranks("edp", rank))
         return self
 
     def group_ranks(self, kind: str, rank: int) -> list[int]:
-        """The ranks of ``rank``'s ``kind`` group (``"tp"``, ``"dp"``, ``"cp"``, ``"pp"`` or ``"dp_cp"``),
-        in O(group size)."""
+        """The ranks of ``rank``'s ``kind`` group (``"tp"``, ``"dp"``, ``"cp"``, ``"pp"``, ``"dp_cp"``, ``"ep"``
+        or ``"edp"``), in O(group size)."""
         c = self.coords(rank)
         if kind == "tp":
             return [self.rank_of(c.pp, c.dp, t, c.cp) for t in range(self.tp_size)]
@@ -235,7 +291,12 @@ class ParallelMesh:
             return [self.rank_of(p, c.dp, c.tp, c.cp) for p in range(self.pp_size)]
         if kind == "dp_cp":
             return [self.rank_of(c.pp, d, c.tp, k) for d in range(self.dp_size) for k in range(self.cp_size)]
-        raise ValueError(f"unknown group kind {kind!r}; use 'tp', 'dp', 'cp', 'pp' or 'dp_cp'")
+        if kind == "ep":
+            first = c.edp * self.ep_size
+            return [self.rank_of(c.pp, first + e, c.tp, c.cp) for e in range(self.ep_size)]
+        if kind == "edp":
+            return [self.rank_of(c.pp, c.ep + k * self.ep_size, c.tp, c.cp) for k in range(self.edp_size)]
+        raise ValueError(f"unknown group kind {kind!r}; use 'tp', 'dp', 'cp', 'pp', 'dp_cp', 'ep' or 'edp'")
 
     @staticmethod
     def subgroup(ranks: Sequence[int]) -> dist.ProcessGroup:
@@ -307,6 +368,24 @@ class ParallelMesh:
     @property
     def dp_cp_size(self) -> int:
         return self.dp_size * self.cp_size
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup:
+        """The ranks this rank exchanges tokens with (expert parallelism); the DP group's run holding it."""
+        if self._ep_group is None:
+            raise RuntimeError("no expert-parallel group: expert_parallel is 1 or the groups are not created")
+        return self._ep_group
+
+    @property
+    def edp_group(self) -> dist.ProcessGroup:
+        """The replicas of this rank's experts, over which their gradients are summed."""
+        if self._edp_group is None:
+            raise RuntimeError("no expert-data-parallel group: expert_parallel is 1 or the groups are not created")
+        return self._edp_group
+
+    @property
+    def ep_rank(self) -> int:
+        return self.my_coords.ep
 
     @property
     def my_coords(self) -> MeshCoords:

@@ -56,6 +56,13 @@ class ParallelOptions:
     ring attention between them (``context_parallel/``); the sequence length must divide by
     ``2 * context_parallel``."""
 
+    expert_parallel: int = 1
+    """Data-parallel ranks that hold different whole experts of each Mixture-of-Experts layer, tokens sent
+    to their experts' rank and back with all-to-all (``expert_parallel/``); must divide ``data_parallel``
+    and each MoE layer's expert count. Expert gradients are averaged over the replicas holding the same
+    experts, the rest over all data-parallel ranks. Not with pipeline or context parallelism, nor ZeRO-2/3
+    (ZeRO-1 shards the dense parameters' optimizer state)."""
+
     micro_batches: Optional[int] = None
     """Micro-batches per training batch under pipeline parallelism; None: one per stage."""
 
@@ -112,6 +119,11 @@ class ParallelOptions:
         if self.context_parallel == AUTO:
             raise ConfigurationError("context_parallel is not searched: give the number of ranks that split each "
                                      "sequence (1 for none)")
+        set_(self, "expert_parallel", _size("expert_parallel", self.expert_parallel))
+        if self.expert_parallel == AUTO:
+            raise ConfigurationError("expert_parallel is not searched: give the number of data-parallel ranks that "
+                                     "hold different experts (1 for none)")
+        self._refuse_with_experts()
         set_(self, "virtual_stages", _size("virtual_stages", self.virtual_stages))
         if self.micro_batches is not None:
             set_(self, "micro_batches", _size("micro_batches", self.micro_batches))
@@ -132,6 +144,21 @@ class ParallelOptions:
         if self.pipeline_layout is not None:
             set_(self, "pipeline_layout", tuple(int(n) for n in self.pipeline_layout))
         set_(self, "searched", tuple(name for name in SEARCHED if getattr(self, name) == AUTO))
+
+    def _refuse_with_experts(self) -> None:
+        """Expert parallelism composes with data and tensor parallelism only (so far)."""
+        ep = self.expert_parallel
+        if ep == 1:
+            return
+        others = [(f"pipeline_parallel={self.pipeline_parallel}", self.pipeline_parallel not in (1, AUTO)),
+                  (f"context_parallel={self.context_parallel}", self.context_parallel != 1),
+                  (f"zero_stage={self.zero_stage}", self.zero_stage not in (0, 1, AUTO))]
+        for what, given in others:
+            if given:
+                raise ConfigurationError(
+                    f"expert_parallel={ep} with {what} is not supported: expert parallelism composes with data "
+                    f"parallelism (data_parallel a multiple of {ep}) and tensor parallelism, with "
+                    "pipeline_parallel=1, context_parallel=1 and zero_stage 0 or 1; drop one of the two")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "ParallelOptions":
@@ -159,6 +186,10 @@ class ParallelOptions:
         return int(self.context_parallel)
 
     @property
+    def ep(self) -> int:
+        return int(self.expert_parallel)
+
+    @property
     def zero(self) -> int:
         return 0 if self.zero_stage == AUTO else int(self.zero_stage)
 
@@ -180,12 +211,13 @@ class ParallelOptions:
 
     @property
     def is_model_split(self) -> bool:
-        return self.tp > 1 or self.pp > 1
+        """Whether ranks hold different parameters: TP shards, pipeline stages, or experts (EP)."""
+        return self.tp > 1 or self.pp > 1 or self.ep > 1
 
     @property
     def mesh_sizes(self) -> dict[str, Union[int, str]]:
         return {"tensor_parallel": self.tp, "pipeline_parallel": self.pp, "data_parallel": self.data_parallel,
-                "context_parallel": self.cp}
+                "context_parallel": self.cp, "expert_parallel": self.ep}
 
     def replace(self, **changes: Any) -> "ParallelOptions":
         """A copy with ``changes`` (validated again)."""

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from lightning_parallel.checkpoint.format import local_shape
+from lightning_parallel.checkpoint.format import ExpertRows, local_shape
 from lightning_parallel.tensor_parallel.shard import TPShard, padded_size
 
 
@@ -39,7 +39,11 @@ class Chunk:
 
 
 def tp_chunks(shape: tuple[int, ...], shard: Optional[TPShard], tp_rank: int, tp_size: int) -> list[Chunk]:
-    """The chunks of the global tensor of ``shape`` that TP rank ``tp_rank`` holds (``tensor_parallel.shard``'s cut)."""
+    """The chunks of the global tensor of ``shape`` that TP rank ``tp_rank`` holds (``tensor_parallel.shard``'s cut);
+    for an expert parameter (``ExpertRows``), that cut of this rank's experts, moved to their rows."""
+    if isinstance(shard, ExpertRows):
+        own = tp_chunks((shard.count, *shape[1:]), shard.tp, tp_rank, tp_size)
+        return [Chunk((c.offsets[0] + shard.first, *c.offsets[1:]), c.sizes, c.dim, c.local) for c in own]
     if shard is None:
         return [Chunk((0,) * len(shape), tuple(shape))]
     dim = shard.dim % len(shape)

@@ -13,7 +13,7 @@ the old TP ranks) and cuts the new local shard (``slice_shard``), so any layout 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -50,8 +50,33 @@ class Piece:
     order: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ExpertRows:
+    """The layout of an expert parameter under expert parallelism: this rank holds experts ``first`` to
+    ``first + count - 1`` of ``total`` along dimension 0 (``expert_parallel.ExpertShard``), each of them
+    whole or, with ``tp``, split further as a TP shard. Saved under the unsplit name and shape, indexed by
+    global expert id, so any expert-parallel size reads any other."""
+
+    first: int
+    count: int
+    total: int
+    tp: Optional[TPShard] = None
+
+
+def layout_of(param: Any) -> Union[TPShard, ExpertRows, None]:
+    """How ``param`` is split: its TP shard, and its experts' rows under expert parallelism."""
+    tp, experts = getattr(param, "tp_shard", None), getattr(param, "expert_shard", None)
+    return tp if experts is None else ExpertRows(experts.first, experts.count, experts.total, tp)
+
+
+def _expert_rows(shape: Any, count: int) -> tuple[int, ...]:
+    return (count, *tuple(shape)[1:])
+
+
 def global_shape(local: torch.Size, shard: Optional[TPShard], tp_size: int) -> tuple[int, ...]:
     """Shape of the unsplit tensor whose TP shard has shape ``local``."""
+    if isinstance(shard, ExpertRows):
+        return _expert_rows(global_shape(local, shard.tp, tp_size), shard.total)
     shape = list(local)
     if shard is not None:
         dim = shard.dim % len(shape)
@@ -134,11 +159,15 @@ def full_tensor(name: str, pieces: list[Piece]) -> torch.Tensor:
 
 def local_tensor(full: torch.Tensor, shard: Optional[TPShard], tp_rank: int, tp_size: int) -> torch.Tensor:
     """This rank's part of ``full`` under its current layout (a copy)."""
+    if isinstance(shard, ExpertRows):
+        return local_tensor(full.narrow(0, shard.first, shard.count), shard.tp, tp_rank, tp_size)
     return slice_shard(full, shard, tp_rank, tp_size) if shard is not None else full.clone()
 
 
 def local_shape(shape: tuple[int, ...], shard: Optional[TPShard], tp_size: int) -> tuple[int, ...]:
     """Shape of one TP shard of a tensor of global ``shape`` (the inverse of ``global_shape``)."""
+    if isinstance(shard, ExpertRows):
+        return local_shape(_expert_rows(shape, shard.count), shard.tp, tp_size)
     if shard is None:
         return tuple(shape)
     local = list(shape)

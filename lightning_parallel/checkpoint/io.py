@@ -41,6 +41,7 @@ from lightning_parallel.checkpoint.format import (
     full_tensor,
     global_shape,
     index_optimizer_state,
+    layout_of,
     local_optimizer_state,
     local_tensor,
     mismatches,
@@ -116,7 +117,7 @@ def _layouts(module: nn.Module, tensors: dict[str, torch.Tensor], tp_size: int) 
     params = dict(module.named_parameters(remove_duplicate=False))
     layouts = {}
     for name, t in tensors.items():
-        shard = getattr(params.get(name), "tp_shard", None)
+        shard = layout_of(params.get(name))
         layouts[name] = (global_shape(t.shape, shard, tp_size), shard)
     return layouts
 
@@ -405,7 +406,8 @@ def _read_dcp(path: Path, metadata: Any, strategy: Any, tensor_names: list[str],
                     targets[fqn] = dcp.local_target(metadata, fqn, param_layouts[name], tp_rank, tp_size)
                     entry[key] = targets[fqn][0]
         states.append(state)
-    group = mesh.dp_group if mesh.dp_size > 1 else None
+    # replicas that need the same chunks share the reads: with expert parallelism, those holding the same experts
+    group = (mesh.dp_group if mesh.ep_size == 1 else mesh.edp_group) if mesh.dp_size // mesh.ep_size > 1 else None
     values = dcp.read_chunks(path, metadata, targets, [fqn for _, _, fqn in objects], group, strategy.root_device)
     dcp.read_chunks(path, metadata, own, [])
     for entry, key, fqn in objects:

@@ -138,7 +138,23 @@ def check_layout(options: ParallelOptions, num_nodes: int, devices_per_node: int
             f"divides {devices_per_node} ({', '.join(map(str, fitting))}), e.g.",
             [Fix({"strategy.tensor_parallel": best, "strategy.data_parallel": world // (best * pp * cp)})],
         )
+    if options.ep > 1:
+        return _with_experts(mesh, options.ep)
     return mesh
+
+
+def _with_experts(mesh: ParallelMesh, ep: int) -> ParallelMesh:
+    """``mesh`` with its expert-parallel groups carved from the data-parallel replicas (``ep`` must divide them)."""
+    dp = mesh.dp_size
+    if dp % ep:
+        fitting = [e for e in divisors(dp) if e > 1]
+        raise LaunchError(
+            f"expert_parallel={ep} does not divide data_parallel={dp}: the ranks holding different experts are "
+            f"data-parallel replicas of one another. Use expert_parallel in ({', '.join(map(str, fitting)) or 'none'})"
+            f", or launch a multiple of {ep} replicas" + (":" if fitting else "."),
+            [Fix({"strategy.expert_parallel": max(fitting)})] if fitting else [])
+    return ParallelMesh(mesh.world_size, tensor_parallel=mesh.tp_size, pipeline_parallel=mesh.pp_size,
+                        data_parallel=dp, context_parallel=mesh.cp_size, expert_parallel=ep)
 
 
 def validate_launch(

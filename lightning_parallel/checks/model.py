@@ -8,7 +8,12 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from lightning_parallel.errors import Fix, LaunchError
+from lightning_parallel.errors import ConfigurationError, Fix, LaunchError
+from lightning_parallel.expert_parallel.placement import (
+    expert_count,
+    find_experts,
+    owned_experts,
+)
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline.errors import (
@@ -42,6 +47,8 @@ def check_model(model: nn.Module, mesh: ParallelMesh,
     virtual_stages, pipeline_layout = options.chunks, options.pipeline_layout
     if mesh.cp_size > 1:
         check_context_parallel(model, options)
+    if mesh.ep_size > 1:
+        check_expert_parallel(model, mesh.ep_size)
     assignments: list[Assignment] = []
     if mesh.tp_size > 1:
         try:
@@ -166,3 +173,21 @@ def check_training_mode(model: nn.Module, pipeline_parallel: int, automatic_opti
             "not apply; train in bfloat16 or float32:",
             [Fix({"trainer.precision": "bf16-mixed"})],
         )
+
+
+def check_expert_parallel(model: nn.Module, ep: int) -> None:
+    """Refuse a model without routed experts, or whose expert count ``ep`` does not divide (every
+    rank holds the same number of whole experts), before any process group exists."""
+    found = find_experts(model)
+    if not found:
+        raise LaunchError(
+            f"expert_parallel={ep}, but the model has no Mixture-of-Experts layer whose experts are one module with "
+            "3-D parameters called as experts(hidden_states, top_k_index, top_k_weights) (Hugging Face Mixtral, "
+            "Qwen-MoE, DeepSeek-V3, OLMoE ...):", [Fix({"strategy.expert_parallel": 1})])
+    for name, experts in found.items():
+        count = expert_count(name, experts)
+        try:
+            owned_experts(count, ep, 0)
+        except ConfigurationError as err:
+            best = max(e for e in range(1, ep) if count % e == 0)
+            raise LaunchError(f"{name}: {err}, e.g.", [Fix({"strategy.expert_parallel": best})]) from None

@@ -51,6 +51,7 @@ from lightning_parallel.planner.estimate import (
     estimate_memory,
     tp_sharded_parameters,
 )
+from lightning_parallel.planner.experts import experts_placed, held_with_experts
 from lightning_parallel.tensor_parallel.resolve import divisors
 
 
@@ -119,11 +120,12 @@ def build_plan(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> LaunchPl
         unknown = f"{type(model).__name__} has no list of repeated blocks for the estimate to count"
     elif shape is not None:
         batch, seq = shape
+        sharded = tp_sharded_parameters(assignments)
         memory = estimate_memory(
-            model, stages, tp_sharded_parameters(assignments), mesh.tp_size, seq, batch // micro_batches,
+            model, stages, sharded, mesh.tp_size, seq, batch // micro_batches,
             micro_batches, options.schedule_name, options.sequence_parallel,
             cfg.trainer.precision, zero_stage=options.zero, dp=mesh.dp_size * mesh.cp_size,
-            context_parallel=mesh.cp_size,
+            context_parallel=mesh.cp_size, params=held_with_experts(model, stages, sharded, mesh),
         )
     accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1))
     return LaunchPlan(
@@ -141,7 +143,8 @@ def build_plan(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> LaunchPl
         tp_plan=dict(Counter(f"{a.glob}: {a.entry.style}" for a in assignments if a.entry.style)),
         search=searched,
         memory_left_out=None if memory else unknown,
-        share=planned_share(model, assignments, mesh.tp_size, stages if mesh.pp_size > 1 else None),
+        share=experts_placed(planned_share(model, assignments, mesh.tp_size, stages if mesh.pp_size > 1 else None),
+                             model, assignments, mesh),
     )
 
 

@@ -144,7 +144,7 @@ def search_layouts(flags: argparse.Namespace, overrides: list[str], prog: str = 
     cluster = Cluster(nodes, devices, memory, rates, shared_compute=kind == "cpu")
     work = Workload(int(seq), str(cfg.trainer.precision), global_batch=flags.global_batch,
                     replica_batch=None if flags.global_batch else int(batch), options=options)
-    result = search(model, cluster, work, Constraints(cp=options.cp))  # CP only where the config asks for it
+    result = search(model, cluster, work, Constraints(cp=options.cp, ep=options.ep))  # CP, EP only where asked
     batch_line = (f"global batch {flags.global_batch}" if flags.global_batch else f"batch {batch} per replica")
     print(f"model: {type(model).__name__}, {count_parameters(model) / 1e6:,.1f}M parameters, {batch_line} x {seq} "
           f"tokens, precision {cfg.trainer.precision}")

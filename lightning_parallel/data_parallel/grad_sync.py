@@ -75,6 +75,8 @@ class GradientSynchronizer:
         bucket_size_mb: bucket capacity in MiB of gradient data.
         shard: reduce-scatter (ZeRO-1) instead of all-reduce; ``bucket.shard`` then holds this
             rank's averaged slice and the parameters' own ``.grad`` are released.
+        average_over: divide the sum over ``group`` by this many ranks instead of the group's size (the
+            experts of expert parallelism: their gradients already sum several ranks' tokens).
 
     Use: backward as usual (hooks launch buckets as they fill), then ``finish()`` before the
     optimizer step. Inside ``no_sync()`` backward only accumulates, as for gradient accumulation.
@@ -82,9 +84,10 @@ class GradientSynchronizer:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], group, bucket_size_mb: float = 25.0, shard: bool = False,
-                 deferred: list[torch.nn.Parameter] = ()):
+                 deferred: list[torch.nn.Parameter] = (), average_over: Optional[int] = None):
         self.group = group
         self.world = dist.get_world_size(group)
+        self.divisor = average_over or self.world
         self.rank = dist.get_rank(group)
         self.shard = shard
         self.enabled = True
@@ -189,9 +192,9 @@ class GradientSynchronizer:
             for work in bucket.works:
                 work.wait()
             if self.shard:
-                bucket.shard.div_(self.world)
+                bucket.shard.div_(self.divisor)
             else:
-                bucket.grads.div_(self.world)
+                bucket.grads.div_(self.divisor)
         flags = torch.cat([bucket.flags for bucket in self.buckets]).tolist()  # the step's one host read
         start = 0
         for bucket in self.buckets:

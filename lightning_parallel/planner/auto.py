@@ -51,7 +51,7 @@ def constraints(options: ParallelOptions) -> Constraints:
         micro_batches=options.micro_batches, schedule=fixed("schedule"), virtual_stages=fixed("virtual_stages"),
         zero=None if zero is None else int(zero),
         recompute=(False,),  # the strategy does not add activation checkpointing to a model
-        cp=options.cp,
+        cp=options.cp, ep=options.ep,
     )
 
 

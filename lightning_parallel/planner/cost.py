@@ -20,7 +20,8 @@ sequence) divides the blocks' compute and activations by ``cp`` but not the embe
 which run on the whole sequence on every CP rank; its ring moves each layer's keys and values
 ``cp - 1`` times forward, and again with their float32 gradients (``cp`` times) backward, plus one
 all-gather of the last block's output, charged without overlap with compute (an upper bound; ring
-attention overlaps them). The data-parallel gradient all-reduce over the DP and CP ranks (with ZeRO
+attention overlaps them). Expert parallelism adds four all-to-alls per MoE layer and micro-batch
+(``experts.py``), not overlapped either. The data-parallel gradient all-reduce over the DP and CP ranks (with ZeRO
 a reduce-scatter and all-gathers: the same bytes at stages 1 and 2, 1.5x at stage 3 without
 pipelining, which gathers every block twice) follows the pipeline flush with no overlap credited,
 which is exact for a contended CPU and an upper bound on a GPU. The optimizer step updates the
@@ -43,6 +44,7 @@ from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.pipeline.partition import StagePlan
 from lightning_parallel.pipeline.schedules import simulate
 from lightning_parallel.planner.estimate import TransformerDims, precision_bytes
+from lightning_parallel.planner.experts import all_to_all_bytes, routed_layers, top_k
 from lightning_parallel.planner.space import Candidate, Cluster, actions_of
 from lightning_parallel.tensor_parallel.resolve import is_conv1d
 
@@ -63,11 +65,12 @@ class Prediction:
     data_parallel: float  # gradient all-reduce after the flush
     optimizer: float  # the optimizer step on the parameters this device updates
     bytes_moved: float  # bytes each device sends per step (all collectives and sends)
+    expert_parallel: float = 0.0  # the all-to-alls that send tokens to their experts' ranks and back
 
     @property
     def idle(self) -> float:
         busy = (self.compute + self.tensor_parallel + self.point_to_point + self.context_parallel
-                + self.data_parallel + self.optimizer)
+                + self.data_parallel + self.optimizer + self.expert_parallel)
         return self.step_time - busy
 
 
@@ -98,6 +101,8 @@ class StageWork:
     forward_allreduces: list[int]  # activation-sized all-reduces under TP, forward
     backward_allreduces: list[int]  # the same, backward
     loss_allreduces: list[int]  # token-sized ones (vocabulary-parallel cross entropy)
+    moe_layers: tuple[int, ...] = ()  # MoE layers of each stage (expert parallelism's all-to-alls)
+    top_k: int = 2  # experts per token
 
 
 def stage_work(model: nn.Module, stages: StagePlan, dims: TransformerDims, seq: int) -> StageWork:
@@ -121,7 +126,9 @@ def stage_work(model: nn.Module, stages: StagePlan, dims: TransformerDims, seq: 
         forward.append(2 * len(block_range) + int(s == 0 and embedding))
         backward.append(2 * len(block_range) + int(s == last and head))
         loss.append(3 if s == last and head else 0)
-    return StageWork(flops, outer, [len(r) for r in stages.stage_blocks], forward, backward, loss)
+    moe = tuple(sum(routed_layers(blocks[i]) for i in r) for r in stages.stage_blocks)
+    return StageWork(flops, outer, [len(r) for r in stages.stage_blocks], forward, backward, loss, moe,
+                     top_k(model) if any(moe) else 2)
 
 
 def _crosses_nodes(ranks: list[int], devices_per_node: int) -> bool:
@@ -157,6 +164,7 @@ def predict(candidate: Candidate, work: StageWork, dims: TransformerDims, cluste
     p2p = (activation / link + rates.latency) if lay.pp > 1 else 0.0
 
     ring, ring_bytes = _context_parallel(tokens, dims, a_bytes, cp, pace(work.layers), mesh, cluster)
+    experts, experts_bytes = _expert_parallel(tokens, dims, a_bytes, lay, work, mesh, cluster)
 
     f_cost = forward + tp_forward + p2p
     b_cost = forward + recompute + tp_backward + tp_recompute + p2p  # input gradient
@@ -164,7 +172,7 @@ def predict(candidate: Candidate, work: StageWork, dims: TransformerDims, cluste
     actions = actions_of(lay)
     per_rank = lay.micro_batches * lay.virtual_stages  # compute units of one rank per step
     if actions is None:
-        pipeline_time, bubble = f_cost + b_cost + w_cost + ring, 0.0
+        pipeline_time, bubble = f_cost + b_cost + w_cost + ring + experts, 0.0
     else:
         # a B without its own W action (an unsplit backward) costs b_cost + w_cost there
         sim = simulate([list(a) for a in actions], forward_cost=f_cost, backward_cost=b_cost, weight_cost=w_cost)
@@ -192,7 +200,23 @@ def predict(candidate: Candidate, work: StageWork, dims: TransformerDims, cluste
     tp_bytes = per_rank * allreduces * (1.5 if lay.recompute else 1) * through
     p2p_bytes = per_rank * 2 * activation if lay.pp > 1 else 0.0
     return Prediction(pipeline_time + dp_time + optimizer, compute, tp_time, per_rank * 2 * p2p, ring, bubble,
-                      dp_time, optimizer, tp_bytes + p2p_bytes + ring_bytes + dp_through)
+                      dp_time, optimizer, tp_bytes + p2p_bytes + ring_bytes + dp_through + experts_bytes, experts)
+
+
+def _expert_parallel(tokens: int, dims: TransformerDims, a_bytes: int, lay, work: StageWork, mesh: ParallelMesh,
+                     cluster: Cluster) -> tuple[float, float]:
+    """(seconds, bytes each device sends) of one micro-batch's dispatch and combine all-to-alls under expert
+    parallelism (``experts.all_to_all_bytes``; one latency per peer and all-to-all); zero without it."""
+    if lay.ep == 1 or not work.moe_layers:
+        return 0.0, 0.0
+    rates = cluster.rates
+    ep_mesh = ParallelMesh(mesh.world_size, tensor_parallel=lay.tp, pipeline_parallel=lay.pp, data_parallel=lay.dp,
+                           context_parallel=lay.cp, expert_parallel=lay.ep)
+    across = _crosses_nodes(ep_mesh.ep_groups()[0], cluster.devices_per_node)
+    link = rates.inter_bandwidth if across else rates.intra_bandwidth
+    layers = max(work.moe_layers)
+    sent = all_to_all_bytes(tokens // lay.cp, dims.hidden, work.top_k, layers, lay.ep, a_bytes)
+    return sent / link + 4 * layers * (lay.ep - 1) * rates.latency, sent
 
 
 def _context_parallel(tokens: int, dims: TransformerDims, a_bytes: int, cp: int, layers: float, mesh: ParallelMesh,

@@ -2,8 +2,9 @@
 
 A layout is the TP size (a divisor of the devices per node that the model's TP plan accepts: heads,
 KV heads, vocabulary), the PP size (at most one stage per block), the CP size (1 unless the options
-fix it: context parallelism is asked for, not searched, and never with pipelining), DP taking the
-processes left, the
+fix it: context parallelism is asked for, not searched, and never with pipelining), the EP size (likewise
+asked for: only without pipelining and ZeRO, a divisor of DP; the routed experts' parameters divided by
+it, ``experts.py``), DP taking the processes left, the
 micro-batches per replica batch, the pipeline schedule, ZeRO-1 on or off and activation
 checkpointing on or off. Every schedule in ``pipeline.schedules.SCHEDULES`` is tried with one and
 with two model chunks per rank and kept where ``validate`` accepts it, so a schedule added there is
@@ -36,6 +37,7 @@ from lightning_parallel.pipeline.schedules import (
     simulate,
     validate,
 )
+from lightning_parallel.planner.experts import expert_elements
 from lightning_parallel.planner.estimate import (
     RankMemory,
     estimate_memory,
@@ -93,9 +95,11 @@ class Layout:
     zero: int = 0  # ZeRO stage: 0 none, 1 optimizer state, 2 and gradients, 3 and parameters
     recompute: bool = False
     cp: int = 1
+    ep: int = 1  # expert parallelism: DP ranks holding different experts
 
     def describe(self) -> str:
-        parts = [f"tp={self.tp} pp={self.pp} dp={self.dp}" + (f" cp={self.cp}" if self.cp > 1 else "")]
+        parts = [f"tp={self.tp} pp={self.pp} dp={self.dp}" + (f" cp={self.cp}" if self.cp > 1 else "")
+                 + (f" ep={self.ep}" if self.ep > 1 else "")]
         if self.pp > 1:
             chunks = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
             parts.append(f"{self.schedule}{chunks} m={self.micro_batches}")
@@ -109,7 +113,7 @@ class Layout:
         """The ``ParallelStrategy`` arguments of this layout (activation checkpointing is the model's):
         every option the search may choose, so that none is left as "auto"."""
         chosen = {"tensor_parallel": self.tp, "pipeline_parallel": self.pp, "data_parallel": self.dp,
-                  "context_parallel": self.cp, "zero_stage": self.zero, "micro_batches": None,
+                  "context_parallel": self.cp, "expert_parallel": self.ep, "zero_stage": self.zero, "micro_batches": None,
                   "schedule": "1f1b", "virtual_stages": 1}
         if self.pp > 1:
             chosen.update(micro_batches=self.micro_batches, schedule=self.schedule, virtual_stages=self.virtual_stages)
@@ -133,6 +137,7 @@ class Constraints:
     zero: Optional[int] = None
     recompute: tuple[bool, ...] = (False, True)
     cp: int = 1  # context parallelism is asked for, never searched
+    ep: int = 1  # so is expert parallelism (only with pp = 1 and ZeRO 0 or 1, dp a multiple of it)
 
 
 @dataclass(frozen=True)
@@ -210,54 +215,62 @@ def enumerate_layouts(model: nn.Module, cluster: Cluster, work: Workload,
     splits: dict = {}  # (tp, pp, chunks, placement) -> TP assignments and stages, or None
     held: dict = {}  # (tp, pp, chunks, placement) -> parameters per pipeline rank
     found: list[Candidate] = []
-    cp = fixed.cp
+    cp, ep = fixed.cp, fixed.ep
+    experts = {}  # tp -> the routed experts' elements per device, which expert parallelism divides
     for tp in divisors(cluster.devices_per_node):
         if world % (tp * cp) or (fixed.tp is not None and tp != fixed.tp):
             continue
-        for pp in divisors(world // (tp * cp)) if cp == 1 else [1]:
+        for pp in divisors(world // (tp * cp)) if cp == 1 and ep == 1 else [1]:
             dp = world // (tp * pp * cp)
-            if pp > blocks or (fixed.pp is not None and pp != fixed.pp) or (fixed.dp is not None and dp != fixed.dp):
+            if dp % ep or pp > blocks or (fixed.pp is not None and pp != fixed.pp) or (fixed.dp is not None and dp != fixed.dp):
                 continue
             replica_batch = work.batch_per_replica(dp)
             if replica_batch is None:
                 continue
             for micro_batches, schedule, chunks in pipeline_options(pp, replica_batch, blocks, fixed):
                 where = (tp, pp, chunks, schedule or "1f1b")
-                split = _split(model, world, where, work, splits, cp)
+                split = _split(model, world, where, work, splits, cp, ep)
                 if split is None or split[1] is None:
                     continue
                 placed = (tp, pp, chunks, placement_of(schedule or "1f1b"))
                 if placed not in held:
                     assignments, stages = split
                     held[placed] = parameters_per_rank(model, stages, tp_sharded_parameters(assignments), tp)
-                base = Layout(tp, pp, dp, micro_batches, schedule, chunks, cp=cp)
-                for zero in _choices(fixed.zero, dp * cp, cp):
+                    if ep > 1:
+                        experts[tp] = expert_elements(model, tp_sharded_parameters(assignments), tp)
+                        held[placed] = [n - experts[tp] * (ep - 1) // ep for n in held[placed]]
+                base = Layout(tp, pp, dp, micro_batches, schedule, chunks, cp=cp, ep=ep)
+                for zero in _choices(fixed.zero, dp * cp, cp, ep):
                     for recompute in fixed.recompute:
                         layout = replace(base, zero=zero, recompute=recompute)
                         found.append(_candidate(model, layout, replica_batch, split, held[placed], work))
     return found
 
 
-def _choices(zero: Optional[int], replicas: int, cp: int) -> tuple[int, ...]:
+def _choices(zero: Optional[int], replicas: int, cp: int, ep: int = 1) -> tuple[int, ...]:
     """ZeRO stages to try over ``replicas`` (DP x CP) ranks: ZeRO-2/3 shard over DP alone and are not
-    composed with context parallelism."""
+    composed with context parallelism; with expert parallelism only ZeRO-1 where asked (it shards the
+    dense parameters' optimizer state, which the estimate does not tell apart from the experts')."""
     if replicas == 1:
         return (0,)  # nothing to shard over (the DP x CP ranks hold the same parameters)
+    if ep > 1:
+        return (0,) if zero is None else tuple(s for s in (zero,) if s in (0, 1))
     stages = (0, 1) if cp > 1 else (0, 1, 2, 3)
     return stages if zero is None else tuple(s for s in (zero,) if s in stages)
 
 
 def _split(model: nn.Module, world: int, where: tuple[int, int, int, str], work: Workload, splits: dict,
-           cp: int = 1):
+           cp: int = 1, ep: int = 1):
     """TP assignments and stages of ``model`` at ``(tp, pp, chunks per rank, schedule)`` (and ``cp``), or None
     where it does not split so (cached by the stage placement the schedule implies)."""
     tp, pp, chunks, schedule = where
     key = (tp, pp, chunks, placement_of(schedule))
     if key not in splits:
         options = work.options.replace(tensor_parallel=tp, pipeline_parallel=pp, data_parallel="auto",
-                                       context_parallel=cp, schedule=schedule, virtual_stages=chunks,
-                                       pipeline_layout=None)
-        mesh = ParallelMesh(world, tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp)
+                                       context_parallel=cp, expert_parallel=ep, schedule=schedule,
+                                       virtual_stages=chunks, pipeline_layout=None,
+                                       zero_stage=0 if ep > 1 else work.options.zero_stage)
+        mesh = ParallelMesh(world, tensor_parallel=tp, pipeline_parallel=pp, context_parallel=cp, expert_parallel=ep)
         try:
             splits[key] = check_model(model, mesh, options)
         except LaunchError:

@@ -9,7 +9,9 @@ of them only (Megatron-LM's ``param_is_not_tensor_parallel_duplicate`` rule, Sho
 Data-parallel replicas (and context-parallel ranks) hold identical gradients after the all-reduce,
 so no DP reduction is needed; under ZeRO each replica holds a disjoint part (ZeRO-1's slices of the
 DP x CP group, ZeRO-2/3's DTensor shards: their local parts are used), so the squared norms are
-summed over that group too.
+summed over that group too. Under expert parallelism the ranks of an expert-parallel group hold
+different experts, so the experts' squared norms are summed over that group instead (each replica of
+an expert holds its whole gradient, even under ZeRO-1, which shards only the dense parameters' state).
 """
 
 from __future__ import annotations
@@ -37,23 +39,24 @@ def global_grad_norm(
         sharded_over_dp: the parameters are disjoint parts per data-parallel rank (ZeRO-1 over DP x CP, 2, 3).
     """
     params = list(params)
-    total = None
+    # [the parameters every DP rank holds (or its ZeRO part of them), the experts this rank holds]
+    sums = torch.zeros(2, device=params[0].device if params else "cpu")
     for p in params:
         if p.grad is None or not counted_once(p):
             continue
         if getattr(p, "tp_shard", None) is None and mesh.tp_size > 1 and mesh.tp_rank != 0:
             continue  # replicated over TP: TP rank 0 counts it
-        sq = local_part(p.grad).detach().float().pow(2).sum()
-        total = sq if total is None else total + sq
-    if total is None:
-        total = torch.zeros((), device=params[0].device if params else "cpu")
+        sums[int(hasattr(p, "expert_shard"))] += local_part(p.grad).detach().float().pow(2).sum()
     if mesh.tp_size > 1:
-        dist.all_reduce(total, group=mesh.tp_group)
+        dist.all_reduce(sums, group=mesh.tp_group)
     if mesh.pp_size > 1:
-        dist.all_reduce(total, group=mesh.pp_group)
+        dist.all_reduce(sums, group=mesh.pp_group)
+    total, experts = sums[0], sums[1]
     if sharded_over_dp and mesh.dp_cp_size > 1:
         dist.all_reduce(total, group=mesh.dp_cp_group)
-    return total.sqrt()
+    if mesh.ep_size > 1:  # each expert on every replica of its EP rank: summed over the EP group only
+        dist.all_reduce(experts, group=mesh.ep_group)
+    return (total + experts).sqrt()
 
 
 def clip_grads_by_global_norm(

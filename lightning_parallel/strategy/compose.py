@@ -8,7 +8,9 @@ The order matters and each step says why it comes where it does:
    broadcasts only what its construction recorded (``materialize.py``), and is materialised in
    step 6;
 2. **tensor parallelism** shards the modules a plan names (``tensor_parallel/``); the whole model's
-   values and whole copies for the split check are taken first (``checks/``);
+   values and whole copies for the split check are taken first (``checks/``); then **expert
+   parallelism** keeps this rank's whole experts of every MoE layer (``strategy/experts.py``), each
+   split by TP already, so the TP hooks around an experts module enclose its all-to-all exchange;
 3. **pipeline parallelism** keeps only this rank's stage, traced on the first batch (``pipeline/``);
 4. **ZeRO-2/3** shards what is left over the data-parallel replicas (``data_parallel/fully_sharded.py``),
    after the TP split has been checked against the whole copies;
@@ -43,6 +45,7 @@ from lightning_parallel.pipeline import PipelineEngine
 from lightning_parallel.pipeline.errors import PipelineConfigError, PipelineIncompatibleModel
 from lightning_parallel.pipeline.example import first_batch
 from lightning_parallel.pipeline.partition import find_blocks
+from lightning_parallel.strategy.experts import place_experts
 from lightning_parallel.strategy.materialize import (
     UnsplitModel,
     broadcast_on_host,
@@ -80,6 +83,8 @@ def split_model(strategy: "ParallelStrategy", module: Any) -> None:
         if options.verify_split:  # whole copies, before the split
             strategy._split_check = prepare_split_check(module, mesh, options)
         parallelize(module, mesh, plan=options.tp_plan, sequence_parallel=options.sequence_parallel)
+    # 2b. expert parallelism: each rank keeps its whole experts (of its TP shard), tokens sent to them
+    strategy.experts = place_experts(module, mesh)
     # 3. pipeline parallelism
     if options.pp > 1:
         _keep_stage(strategy, module, on_meta)

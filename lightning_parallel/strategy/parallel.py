@@ -60,6 +60,7 @@ from lightning_parallel.data_parallel.buffers import BufferBroadcast
 from lightning_parallel.data_parallel.fully_sharded import FullySharded
 from lightning_parallel.data_parallel.zero import ZeroOneSharding, refuse_whole_tensor_optimizers
 from lightning_parallel.errors import LaunchError, LightningParallelError, python_arguments
+from lightning_parallel.expert_parallel import ExpertParallel
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline.partition import find_blocks
@@ -69,6 +70,7 @@ from lightning_parallel.strategy.checkpointing import SplitCheckpoints
 from lightning_parallel.strategy.clipping import clip_grads_by_global_norm
 from lightning_parallel.strategy.collectives import MeshCollectives
 from lightning_parallel.strategy.compose import split_model
+from lightning_parallel.strategy.experts import dense_part, gradient_synchronizer, log_tokens_per_expert
 from lightning_parallel.strategy.gradients import GradientFinalizer, shared_across_stages
 from lightning_parallel.strategy.launcher import MultiProcessingLauncher, SubprocessScriptLauncher
 from lightning_parallel.strategy.materialize import builds_later, empty_parameters, has_meta_parameters
@@ -83,7 +85,8 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
     """Data x tensor x pipeline x context parallelism on one process mesh.
 
     Args:
-        data_parallel, tensor_parallel, pipeline_parallel, context_parallel, micro_batches, schedule,
+        data_parallel, tensor_parallel, pipeline_parallel, context_parallel, expert_parallel, micro_batches,
+        schedule,
         virtual_stages, sequence_parallel, tp_plan, pipeline_blocks, pipeline_layout, bucket_size_mb, zero_stage,
         broadcast_buffers, verify_split:
             the layout and its options, each documented on ``ParallelOptions`` (``options.py``).
@@ -104,6 +107,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         tensor_parallel: Union[int, str] = 1,
         pipeline_parallel: Union[int, str] = 1,
         context_parallel: int = 1,
+        expert_parallel: int = 1,
         micro_batches: Optional[int] = None,
         schedule: str = "1f1b",
         virtual_stages: Union[int, str] = 1,
@@ -135,7 +139,8 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
             raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}")
         self.options = ParallelOptions(
             tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, data_parallel=data_parallel,
-            context_parallel=context_parallel, micro_batches=micro_batches, schedule=schedule,
+            context_parallel=context_parallel, expert_parallel=expert_parallel, micro_batches=micro_batches,
+            schedule=schedule,
             virtual_stages=virtual_stages,
             sequence_parallel=sequence_parallel, tp_plan=tp_plan, pipeline_blocks=pipeline_blocks,
             pipeline_layout=pipeline_layout, bucket_size_mb=bucket_size_mb, zero_stage=zero_stage,
@@ -152,6 +157,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         self.zero: Optional[ZeroOneSharding] = None
         self.context_parallel: Optional[ContextParallel] = None  # the sequence split, when context_parallel > 1
         self.fully_sharded: Optional[FullySharded] = None  # ZeRO-2/3
+        self.experts: Optional[ExpertParallel] = None  # the placed experts, when expert_parallel > 1
         self._sync_blocked = False
         self._requeue = DeferredRequeue(None)
         self._unsplit_counts: dict[str, tuple[int, int]] = {}  # parameters per module before the split
@@ -364,11 +370,10 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
             self.model = self._apply_layer_sync(self.model)
         if trainer.state.fn == TrainerFn.FITTING:
             if self.mesh.dp_cp_size > 1 and self.fully_sharded is None:  # CP ranks hold the replica's parameters too
-                self.grad_sync = GradientSynchronizer(
-                    list(module.parameters()), self.mesh.dp_cp_group, self.options.bucket_size_mb,
-                    shard=self.options.zero == 1,
+                self.grad_sync = gradient_synchronizer(
+                    module, self.mesh, self.options.bucket_size_mb, shard=self.options.zero == 1,
                     deferred=shared_across_stages(module, self.pipeline) if self.pipeline is not None else (),
-                )
+                    experts=self.experts)
             if self.pipeline is not None:
                 # the pipeline runs forward and backward itself, inside training_step
                 set_skip_backward(trainer, True)
@@ -376,7 +381,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
             if self.fully_sharded is not None:
                 refuse_whole_tensor_optimizers(self.optimizers, self.options.zero)
             if self.grad_sync is not None and self.options.zero == 1:
-                self.zero = ZeroOneSharding(self.grad_sync, self.optimizers)
+                self.zero = ZeroOneSharding(dense_part(self.grad_sync), self.optimizers)
             sequence_parallel = self.options.sequence_parallel and self.options.tp > 1
             self.finalize_gradients = GradientFinalizer(module, self.pipeline, self.grad_sync, self.zero,
                                                         self.mesh if sequence_parallel else None, self.fully_sharded)
@@ -469,7 +474,10 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
             self.fully_sharded.gather_root()
         if self.pipeline is None:
             with self._sequence_split():
-                return super().training_step(*args, **kwargs)
+                output = super().training_step(*args, **kwargs)
+            if self.experts is not None:
+                log_tokens_per_expert(self.lightning_module, self.experts, self.mesh.dp_group)
+            return output
         trainer = self.lightning_module.trainer
         batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
         if batch_idx % trainer.accumulate_grad_batches == 0:
@@ -552,7 +560,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         counted_once = self.pipeline.is_counted_once if self.pipeline is not None else (lambda p: True)
         if self.zero is not None:
             original = self.zero.original
-            clip_grads_by_global_norm(params, float(clip_val), self.mesh, lambda p: counted_once(original[p]),
+            clip_grads_by_global_norm(params, float(clip_val), self.mesh, lambda p: counted_once(original.get(p, p)),
                                       sharded_over_dp=True)
         elif self.fully_sharded is not None:
             clip_grads_by_global_norm(params, float(clip_val), self.mesh, counted_once, sharded_over_dp=True)
