@@ -37,13 +37,13 @@ from lightning_parallel.pipeline.schedules import (
     simulate,
     validate,
 )
-from lightning_parallel.planner.experts import expert_elements
 from lightning_parallel.planner.estimate import (
     RankMemory,
     estimate_memory,
     parameters_per_rank,
     tp_sharded_parameters,
 )
+from lightning_parallel.planner.experts import expert_elements
 from lightning_parallel.tensor_parallel.resolve import divisors
 
 # model chunks per rank tried for every schedule: one (GPipe, 1F1B, ZB-H1) or two (interleaved, V-shaped)
