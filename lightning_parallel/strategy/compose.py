@@ -10,7 +10,8 @@ The order matters and each step says why it comes where it does:
 2. **tensor parallelism** shards the modules a plan names (``tensor_parallel/``); the whole model's
    values and whole copies for the split check are taken first (``checks/``); then **expert
    parallelism** keeps this rank's whole experts of every MoE layer (``strategy/experts.py``), each
-   split by TP already, so the TP hooks around an experts module enclose its all-to-all exchange;
+   split by TP already, so the TP hooks around an experts module enclose its all-to-all exchange (a
+   meta-device model keeps its experts after step 5, once their values exist);
 3. **pipeline parallelism** keeps only this rank's stage, traced on the first batch (``pipeline/``);
 4. **ZeRO-2/3** shards what is left over the data-parallel replicas (``data_parallel/fully_sharded.py``),
    after the TP split has been checked against the whole copies;
@@ -83,8 +84,10 @@ def split_model(strategy: "ParallelStrategy", module: Any) -> None:
         if options.verify_split:  # whole copies, before the split
             strategy._split_check = prepare_split_check(module, mesh, options)
         parallelize(module, mesh, plan=options.tp_plan, sequence_parallel=options.sequence_parallel)
-    # 2b. expert parallelism: each rank keeps its whole experts (of its TP shard), tokens sent to them
-    strategy.experts = place_experts(module, mesh)
+    # 2b. expert parallelism: each rank keeps its whole experts (of its TP shard), tokens sent to them;
+    # a meta-device model keeps them once its values exist (step 5)
+    if not on_meta:
+        strategy.experts = place_experts(module, mesh)
     # 3. pipeline parallelism
     if options.pp > 1:
         _keep_stage(strategy, module, on_meta)
@@ -95,6 +98,8 @@ def split_model(strategy: "ParallelStrategy", module: Any) -> None:
     # 5. materialisation of a meta-device model
     if on_meta:
         materialize(module, unsplit, mesh.tp_rank, mesh.tp_size, strategy.root_device, seed)
+        # every expert (of this TP shard) has its values now; this rank keeps its own (whole ones are transient)
+        strategy.experts = place_experts(module, mesh)
     # 6. to the device
     strategy.model_to_device()
     if strategy.fully_sharded is not None:

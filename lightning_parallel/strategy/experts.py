@@ -26,7 +26,6 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_parallel.data_parallel import GradientSynchronizer
-from lightning_parallel.errors import IncompatibleModelError
 from lightning_parallel.expert_parallel import ExpertParallel, parallelize_experts
 from lightning_parallel.mesh import ParallelMesh
 
@@ -35,10 +34,6 @@ def place_experts(module: nn.Module, mesh: ParallelMesh) -> Optional[ExpertParal
     """Place ``module``'s experts over ``mesh``'s expert-parallel group (None without expert parallelism)."""
     if mesh.ep_size == 1:
         return None
-    if any(p.is_meta for p in module.parameters()):
-        raise IncompatibleModelError(
-            f"expert_parallel={mesh.ep_size} with a model built on the meta device (empty_init) is not supported: "
-            "each rank keeps its experts' rows of values built whole. Build the model with values")
     return parallelize_experts(module, mesh.ep_group, mesh.ep_size, mesh.ep_rank)
 
 

@@ -133,6 +133,9 @@ class _Owner:
     name: str
     module: nn.Module  # the original object, kept even if tensor parallelism replaces it
     init_weights: Optional[Callable[[nn.Module], None]]
+    # its parameters as built (whole, with their records), kept even if tensor parallelism replaces them
+    # in place on the same module (the experts of a Mixture-of-Experts layer)
+    params: dict[str, Optional[nn.Parameter]]
 
 
 @dataclass
@@ -156,7 +159,7 @@ class UnsplitModel:
             init_of[name] = own if callable(own) else (init_of[name.rpartition(".")[0]] if name else None)
             direct = [(attr, p) for attr, p in module._parameters.items() if p is not None]
             if direct:
-                owners.append(_Owner(name, module, init_of[name]))
+                owners.append(_Owner(name, module, init_of[name], dict(module._parameters)))
                 for attr, p in direct:
                     first.setdefault(id(p), (len(owners) - 1, attr))
         owner_of = {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
@@ -183,7 +186,7 @@ def _owner_values(owner: _Owner, wanted: dict[str, Optional[TPShard]], device: t
     generator gives each the same numbers on every layout; a value read from a file consumes none, and
     is read only where wanted, for the wanted shard only.
     """
-    params = {attr: p for attr, p in owner.module._parameters.items() if p is not None}
+    params = {attr: p for attr, p in owner.params.items() if p is not None}
     values: dict[str, torch.Tensor] = {}
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.no_grad():
@@ -243,14 +246,14 @@ def _initialised_by_the_module(owner: _Owner, device: torch.device) -> dict[str,
     scratch = copy.copy(owner.module)
     scratch._parameters = {
         attr: None if p is None else nn.Parameter(_unset(p, device), p.requires_grad)
-        for attr, p in owner.module._parameters.items()
+        for attr, p in owner.params.items()
     }
     if hasattr(scratch, "reset_parameters"):
         scratch.reset_parameters()
     if owner.init_weights is not None:
         owner.init_weights(scratch)
     return {attr: p.detach() for attr, p in scratch._parameters.items()
-            if p is not None and history_of(owner.module._parameters[attr]) is None}
+            if p is not None and history_of(owner.params[attr]) is None}
 
 
 @torch.no_grad()

@@ -2,7 +2,8 @@
 (Mixtral; Qwen3-MoE; DeepSeek-V3 with a shared expert beside the routed ones) train, step by step, to the
 losses and parameters of one device at DP2 x EP2 (each of 2 ranks holds 2 of the 4 experts of every
 layer), DP4 x EP2 (experts also replicated over 2 replicas), and TP2 x DP2 x EP2; including a run where
-the router sends every token to experts 0 and 1, so the other rank's experts receive no token.
+the router sends every token to experts 0 and 1, so the other rank's experts receive no token, and
+models built on the meta device (with and without expert parallelism, with TP).
 
 Tolerance: float32 on CPU. The combine sums each token's expert outputs in another order than the
 original module, and expert gradients are summed over ranks (1e-7 relative per op); losses are compared
@@ -120,15 +121,23 @@ def tokens(samples: int = 16) -> TensorDataset:
 
 def assert_matches_one_device(tmp_path, dp: int, ep: int, tp: int = 1, family: str = "mixtral",
                               only_two_experts: bool = False, sgd: bool = False, param_tol: dict = PARAM_TOL,
-                              checkpointing: bool = False, zero_stage: int = 0, **trainer) -> list:
+                              checkpointing: bool = False, zero_stage: int = 0, meta: bool = False,
+                              **trainer) -> list:
     L.seed_everything(0)
     module, data = MoELM(family, only_two_experts, sgd, checkpointing), tokens()
     expected = fit_and_record(module, data, 2 * dp, str(tmp_path / "one"), max_steps=STEPS, emulate_replicas=dp,
                               **trainer)[0]
     out = tmp_path / "ep"
     strategy = ParallelStrategy(expert_parallel=ep, tensor_parallel=tp, zero_stage=zero_stage, start_method="fork")
-    got = fit_and_record(module, data, 2, str(out), devices=dp * tp, max_steps=STEPS, strategy=strategy,
-                         callbacks=[Record(str(out))], **trainer)
+    if meta:  # built on the meta device from the same seed: construction is replayed with the same values
+        def build(fitting):
+            L.seed_everything(0)
+            with fitting.init_module(empty_init=True):
+                built = MoELM(family, only_two_experts, sgd, checkpointing)
+            assert any(p.is_meta for p in built.parameters())
+            return built
+    got = fit_and_record(build if meta else module, data, 2, str(out), devices=dp * tp, max_steps=STEPS,
+                         strategy=strategy, callbacks=[Record(str(out))], **trainer)
     assert_close_series(mean_over_ranks(got), expected["losses"], **LOSS_TOL)
     records = [torch.load(out / f"whole{rank}.pt") for rank in range(dp * tp)]
     for rank, record in enumerate(records):
@@ -160,6 +169,16 @@ def test_ep2_expert_without_tokens_matches_single_device(tmp_path):
 @pytest.mark.timeout(120)
 def test_ep2_with_activation_checkpointing_matches_single_device(tmp_path):
     assert_matches_one_device(tmp_path, dp=2, ep=2, family="qwen3_moe", checkpointing=True)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dp,ep,tp", [(2, 2, 1), (2, 2, 2), (1, 1, 2)])
+def test_moe_model_built_on_the_meta_device_matches_single_device(tmp_path, dp, ep, tp):
+    # lp-train's default build: each rank materialises the experts of its TP shard (TP splits the experts
+    # module's parameters in place: they are replayed whole, then cut once), then keeps its own experts
+    records = assert_matches_one_device(tmp_path, dp=dp, ep=ep, tp=tp, meta=True)
+    experts = 4 // ep
+    assert records[0]["local"].get("model.model.layers.0.mlp.experts.down_proj", (4,))[0] == experts
 
 
 @pytest.mark.timeout(120)
