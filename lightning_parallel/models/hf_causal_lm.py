@@ -44,6 +44,7 @@ class HFCausalLM(L.LightningModule):
         self.save_hyperparameters()
         if pretrained is not None:
             self.model = AutoModelForCausalLM.from_pretrained(pretrained)
+            self.model.train()  # from_pretrained returns the model in evaluation mode; this module trains it
         elif config is not None:
             self.model = AutoModelForCausalLM.from_config(LlamaConfig(**config))
         else:
