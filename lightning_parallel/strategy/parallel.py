@@ -1,4 +1,4 @@
-"""``ParallelStrategy``: data, tensor, pipeline and context parallelism for an unchanged LightningModule.
+"""``ParallelStrategy``: data, tensor, pipeline, context and expert parallelism for an unchanged LightningModule.
 
 The strategy owns the process mesh and, at setup, composes the parts in a fixed order:
 
@@ -82,13 +82,12 @@ StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
 
 class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStrategy):
-    """Data x tensor x pipeline x context parallelism on one process mesh.
+    """Data x tensor x pipeline x context x expert parallelism on one process mesh.
 
     Args:
         data_parallel, tensor_parallel, pipeline_parallel, context_parallel, expert_parallel, micro_batches,
-        schedule,
-        virtual_stages, sequence_parallel, tp_plan, pipeline_blocks, pipeline_layout, bucket_size_mb, zero_stage,
-        broadcast_buffers, verify_split:
+        schedule, virtual_stages, sequence_parallel, tp_plan, pipeline_blocks, pipeline_layout, bucket_size_mb,
+        zero_stage, broadcast_buffers, verify_split:
             the layout and its options, each documented on ``ParallelOptions`` (``options.py``).
             A size given as ``"auto"`` (tensor_parallel, pipeline_parallel, schedule,
             virtual_stages, zero_stage): at setup, every rank takes the planner's best layout for
@@ -140,8 +139,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         self.options = ParallelOptions(
             tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel, data_parallel=data_parallel,
             context_parallel=context_parallel, expert_parallel=expert_parallel, micro_batches=micro_batches,
-            schedule=schedule,
-            virtual_stages=virtual_stages,
+            schedule=schedule, virtual_stages=virtual_stages,
             sequence_parallel=sequence_parallel, tp_plan=tp_plan, pipeline_blocks=pipeline_blocks,
             pipeline_layout=pipeline_layout, bucket_size_mb=bucket_size_mb, zero_stage=zero_stage,
             broadcast_buffers=broadcast_buffers, verify_split=verify_split,
