@@ -25,21 +25,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import multiprocessing as mp
 import os
-import socket
 import statistics
+import sys
 import time
-import traceback
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_parallel.expert_parallel import parallelize_experts
-from lightning_parallel.mesh import ParallelMesh
-from lightning_parallel.tensor_parallel import parallelize
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from lightning_parallel.expert_parallel import parallelize_experts  # noqa: E402
+from lightning_parallel.mesh import ParallelMesh  # noqa: E402
+from lightning_parallel.tensor_parallel import parallelize  # noqa: E402
+from tests.helpers.processes import run_distributed  # noqa: E402
 
 K = 2
 
@@ -130,38 +129,13 @@ def run(kind: str, rank: int, world: int, args) -> tuple[float, float]:
     return counter.bytes, statistics.median(times)
 
 
-def _worker(kind, rank, world, port, args, queue):
-    try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-        result = run(kind, rank, world, args)
-        buffer = io.BytesIO()
-        torch.save(result, buffer)
-        queue.put((rank, True, buffer.getvalue()))
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - report every failure to the parent
-        queue.put((rank, False, traceback.format_exc()))
+def _measure(rank: int, world: int, kind: str, args) -> tuple[float, float]:
+    return run(kind, rank, world, args)
 
 
 def launch(kind: str, world: int, args) -> tuple[float, float]:
     """(bytes sent per device, step seconds), the maximum over ranks, of ``kind`` on ``world`` processes."""
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(kind, r, world, port, args, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = []
-    for _ in range(world):
-        rank, ok, value = queue.get(timeout=600)
-        if not ok:
-            raise RuntimeError(f"{kind} rank {rank}:\n{value}")
-        results.append(torch.load(io.BytesIO(value)))
-    for p in procs:
-        p.join()
+    results = run_distributed(_measure, world, kind, args, timeout=600)
     return max(r[0] for r in results), max(r[1] for r in results)
 
 
