@@ -28,9 +28,8 @@ from datetime import timedelta
 from typing import Any, Generator, Literal, Optional, Union
 
 import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy as _LightningParallelStrategy
@@ -45,6 +44,7 @@ from lightning_parallel.checks.launch import validate_launch
 from lightning_parallel.checks.sequence_split import refuse_unsplittable_sequence
 from lightning_parallel.checks.share import Share
 from lightning_parallel.checks.split_values import refuse_failing_split, refuse_wrong_split
+from lightning_parallel.checks.trainer_flags import refuse_split_model_flags
 from lightning_parallel.checks.verify_split import SplitChecker, Verification, check_split_against_whole
 from lightning_parallel.compat import (
     _get_default_process_group_backend_for_device,
@@ -59,7 +59,7 @@ from lightning_parallel.data_parallel import GradientSynchronizer
 from lightning_parallel.data_parallel.buffers import BufferBroadcast
 from lightning_parallel.data_parallel.fully_sharded import FullySharded
 from lightning_parallel.data_parallel.zero import ZeroOneSharding, refuse_whole_tensor_optimizers
-from lightning_parallel.errors import LaunchError, LightningParallelError, python_arguments
+from lightning_parallel.errors import LightningParallelError, python_arguments
 from lightning_parallel.expert_parallel import ExpertParallel
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.options import ParallelOptions
@@ -263,7 +263,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
                 loss_scaler=getattr(self.precision_plugin, "scaler", None) is not None,
             )
             if trainer is not None and self.splits_parameters:
-                self._refuse_split_model_flags(trainer)
+                refuse_split_model_flags(trainer, self.options, self._layer_sync, self.checkpoint_io)
         return mesh
 
     @contextmanager
@@ -313,31 +313,6 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
     def _checks_model(self, module: Any) -> bool:
         return module is not None and (self.is_model_split or self.options.cp > 1) and not self._has_split(module)
 
-    def _refuse_split_model_flags(self, trainer: Any) -> None:
-        """Trainer features that would silently do something else on a split model (TP, PP or ZeRO-2/3)."""
-        split = f"tensor_parallel={self.options.tp}, pipeline_parallel={self.options.pp}" + (
-            f", zero_stage={self.options.zero}" if self.options.shards_parameters else "")
-        if any(isinstance(callback, StochasticWeightAveraging) for callback in trainer.callbacks):
-            raise LaunchError(
-                f"Trainer(callbacks=[StochasticWeightAveraging(...)]) is not supported with {split}: it averages "
-                "a copy of the whole model taken before the split, and it switches Lightning's backward off and on "
-                "again, which the pipeline relies on. Remove the callback, or average weights with "
-                "DataParallelStrategy (data parallelism only, zero_stage 0 or 1)."
-            )
-        if self.options.shards_parameters and self._layer_sync is not None:
-            raise LaunchError(
-                f"Trainer(sync_batchnorm=True) is not supported with {split}: it replaces the BatchNorm layers "
-                "once the model is set up, after ZeRO has sharded their parameters, so the new layers would hold "
-                "the shards. Train with zero_stage 0 or 1 (optimizer state sharded), or without sync_batchnorm."
-            )
-        if type(self.checkpoint_io) is not TorchCheckpointIO:
-            raise LaunchError(
-                f"Trainer(plugins=[{type(self.checkpoint_io).__name__}(...)]) is not supported with {split}: a split "
-                "model writes its checkpoint as a Distributed Checkpoint directory, one file per rank, without a "
-                "CheckpointIO plugin. Remove the plugin (checkpoints are written synchronously), or use it with "
-                "DataParallelStrategy (zero_stage 0 or 1)."
-            )
-
     # ---- model set-up --------------------------------------------------------------------------
     @override
     def setup(self, trainer: Any) -> None:
@@ -364,30 +339,43 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         if self.is_model_split:  # Lightning's summary would count rank 0's shard of its stage
             report_whole_model(trainer.callbacks, self._unsplit_counts)
         sync_metrics_per_replica(module, self.mesh)  # TP ranks' identical metric states count once
-        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
-            self.model = self._apply_layer_sync(self.model)
-        if trainer.state.fn == TrainerFn.FITTING:
-            if self.mesh.dp_cp_size > 1 and self.fully_sharded is None:  # CP ranks hold the replica's parameters too
-                self.grad_sync = gradient_synchronizer(
-                    module, self.mesh, self.options.bucket_size_mb, shard=self.options.zero == 1,
-                    deferred=shared_across_stages(module, self.pipeline) if self.pipeline is not None else (),
-                    experts=self.experts)
-            if self.pipeline is not None:
-                # the pipeline runs forward and backward itself, inside training_step
-                set_skip_backward(trainer, True)
-            self.setup_optimizers(trainer)
-            if self.fully_sharded is not None:
-                refuse_whole_tensor_optimizers(self.optimizers, self.options.zero)
-            if self.grad_sync is not None and self.options.zero == 1:
-                self.zero = ZeroOneSharding(dense_part(self.grad_sync), self.optimizers)
-            sequence_parallel = self.options.sequence_parallel and self.options.tp > 1
-            self.finalize_gradients = GradientFinalizer(module, self.pipeline, self.grad_sync, self.zero,
-                                                        self.mesh if sequence_parallel else None, self.fully_sharded)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self._prepare_training(trainer, module)
         self.setup_precision_plugin()
         if self.is_model_split or self.zero is not None or self.fully_sharded is not None:
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+        self._check_split(trainer)
+        if self.options.broadcast_buffers and self.mesh.dp_cp_size > 1:  # after the probes, whose steps are no real ones
+            self.buffer_broadcast = BufferBroadcast(module, self.mesh.dp_cp_group)
+
+    def _prepare_training(self, trainer: Any, module: Any) -> None:
+        """For ``fit``: synchronised BatchNorm, the data-parallel gradient hooks, the optimizers of what is
+        left after the split (ZeRO-1 sharding their state), and the order gradients are finalised in."""
+        if self._layer_sync is not None:
+            self.model = self._apply_layer_sync(self.model)
+        if self.mesh.dp_cp_size > 1 and self.fully_sharded is None:  # CP ranks hold the replica's parameters too
+            self.grad_sync = gradient_synchronizer(
+                module, self.mesh, self.options.bucket_size_mb, shard=self.options.zero == 1,
+                deferred=shared_across_stages(module, self.pipeline) if self.pipeline is not None else (),
+                experts=self.experts)
+        if self.pipeline is not None:
+            # the pipeline runs forward and backward itself, inside training_step
+            set_skip_backward(trainer, True)
+        self.setup_optimizers(trainer)
+        if self.fully_sharded is not None:
+            refuse_whole_tensor_optimizers(self.optimizers, self.options.zero)
+        if self.grad_sync is not None and self.options.zero == 1:
+            self.zero = ZeroOneSharding(dense_part(self.grad_sync), self.optimizers)
+        sequence_parallel = self.options.sequence_parallel and self.options.tp > 1
+        self.finalize_gradients = GradientFinalizer(module, self.pipeline, self.grad_sync, self.zero,
+                                                    self.mesh if sequence_parallel else None, self.fully_sharded)
+
+    def _check_split(self, trainer: Any) -> None:
+        """The split against the whole model on a real batch (``checks/``): the TP split's values and
+        float64 comparison, and the sequence split of context parallelism."""
         if self.options.tp > 1 and self.pipeline is None:  # the pipeline probes its own stages
             with self._gathered():  # ZeRO-2/3: the probe's gathers communicate nothing; drop what they gathered
                 refuse_failing_split(self, trainer, self._tp_reference)
@@ -400,8 +388,6 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
             self._tp_reference = None
         if self.context_parallel is not None:
             refuse_unsplittable_sequence(self, trainer, self.context_parallel)
-        if self.options.broadcast_buffers and self.mesh.dp_cp_size > 1:  # after the probes, whose steps are no real ones
-            self.buffer_broadcast = BufferBroadcast(module, self.mesh.dp_cp_group)
 
     def _apply_layer_sync(self, model: Any) -> Any:
         """``Trainer(sync_batchnorm=True)``: BatchNorm statistics over the data-parallel replicas only.

@@ -1,0 +1,52 @@
+"""Trainer features that would silently do something else on a model whose ranks hold different parts.
+
+A split model (TP shards, pipeline stages, placed experts, or ZeRO-2/3 rows) is refused, before any
+process group exists, with Trainer features that assume every rank holds the whole model: stochastic
+weight averaging (a copy of the whole model taken before the split), ``sync_batchnorm`` under ZeRO-2/3
+(layers replaced after the parameters were sharded), and a ``CheckpointIO`` plugin (a split model
+writes a directory of shards itself).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+from lightning_parallel.errors import LaunchError
+from lightning_parallel.options import ParallelOptions
+
+
+def _layout(options: ParallelOptions) -> str:
+    parts = [f"tensor_parallel={options.tp}", f"pipeline_parallel={options.pp}"]
+    if options.ep > 1:
+        parts.append(f"expert_parallel={options.ep}")
+    if options.shards_parameters:
+        parts.append(f"zero_stage={options.zero}")
+    return ", ".join(parts)
+
+
+def refuse_split_model_flags(trainer: Any, options: ParallelOptions, layer_sync: Any, checkpoint_io: Any) -> None:
+    """Raise ``LaunchError`` for a Trainer feature ``trainer`` uses that a split model would not honour."""
+    split = _layout(options)
+    if any(isinstance(callback, StochasticWeightAveraging) for callback in trainer.callbacks):
+        raise LaunchError(
+            f"Trainer(callbacks=[StochasticWeightAveraging(...)]) is not supported with {split}: it averages "
+            "a copy of the whole model taken before the split, and it switches Lightning's backward off and on "
+            "again, which the pipeline relies on. Remove the callback, or average weights with "
+            "DataParallelStrategy (data parallelism only, zero_stage 0 or 1)."
+        )
+    if options.shards_parameters and layer_sync is not None:
+        raise LaunchError(
+            f"Trainer(sync_batchnorm=True) is not supported with {split}: it replaces the BatchNorm layers "
+            "once the model is set up, after ZeRO has sharded their parameters, so the new layers would hold "
+            "the shards. Train with zero_stage 0 or 1 (optimizer state sharded), or without sync_batchnorm."
+        )
+    if type(checkpoint_io) is not TorchCheckpointIO:
+        raise LaunchError(
+            f"Trainer(plugins=[{type(checkpoint_io).__name__}(...)]) is not supported with {split}: a split "
+            "model writes its checkpoint as a Distributed Checkpoint directory, one file per rank, without a "
+            "CheckpointIO plugin. Remove the plugin (checkpoints are written synchronously), or use it with "
+            "DataParallelStrategy (zero_stage 0 or 1)."
+        )
