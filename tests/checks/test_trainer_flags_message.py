@@ -1,0 +1,33 @@
+"""The Trainer-feature refusals of a split model name the layout that splits it (experts included)."""
+
+from types import SimpleNamespace
+
+import pytest
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.plugins import AsyncCheckpointIO
+
+from lightning_parallel.checks.trainer_flags import refuse_split_model_flags
+from lightning_parallel.errors import LaunchError
+from lightning_parallel.options import ParallelOptions
+
+SWA = SimpleNamespace(callbacks=[StochasticWeightAveraging(swa_lrs=1e-2)])
+PLAIN = SimpleNamespace(callbacks=[])
+
+
+@pytest.mark.parametrize("options, named", [
+    (ParallelOptions(tensor_parallel=2), "tensor_parallel=2, pipeline_parallel=1"),
+    (ParallelOptions(expert_parallel=2, data_parallel=2), "pipeline_parallel=1, expert_parallel=2"),
+    (ParallelOptions(zero_stage=3), "zero_stage=3"),
+])
+def test_refusal_names_the_layout(options, named):
+    with pytest.raises(LaunchError, match=f"StochasticWeightAveraging.*not supported with .*{named}"):
+        refuse_split_model_flags(SWA, options, None, TorchCheckpointIO())
+    with pytest.raises(LaunchError, match=f"AsyncCheckpointIO.*not supported with .*{named}"):
+        refuse_split_model_flags(PLAIN, options, None, AsyncCheckpointIO())
+
+
+def test_sync_batchnorm_is_refused_only_where_parameters_are_sharded():
+    refuse_split_model_flags(PLAIN, ParallelOptions(tensor_parallel=2), object(), TorchCheckpointIO())
+    with pytest.raises(LaunchError, match=r"sync_batchnorm=True\) is not supported with .*zero_stage=2"):
+        refuse_split_model_flags(PLAIN, ParallelOptions(zero_stage=2), object(), TorchCheckpointIO())
