@@ -36,6 +36,10 @@ LAYOUTS = {
     "tp2": (2, dict(tensor_parallel=2)),
     "pp2": (2, dict(pipeline_parallel=2, micro_batches=2)),
     "dp2_tp2_pp2": (8, dict(data_parallel=2, tensor_parallel=2, pipeline_parallel=2, micro_batches=2)),
+    "cp2": (2, dict(context_parallel=2)),
+    "dp2_zero2": (2, dict(zero_stage=2)),
+    "dp2_zero3": (2, dict(zero_stage=3)),
+    "dp2_pp2_zero3": (4, dict(pipeline_parallel=2, micro_batches=2, zero_stage=3)),
 }
 
 
