@@ -46,6 +46,13 @@ def test_strategy_group_becomes_the_trainers_strategy(tmp_path, group, devices, 
     assert trainer.num_devices == devices
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("group", ["dp", "tp", "pp", "3d", "cp", "ep", "auto"])
+def test_every_parallel_preset_takes_zero_stage_without_plus(group):
+    cfg = _compose(f"strategy={group}", "strategy.zero_stage=1")
+    assert instantiate(cfg.strategy).options.zero == 1
+
+
 @pytest.mark.timeout(60)
 def test_single_process_run_lowers_validation_loss(tmp_path):
     cfg = _compose(
