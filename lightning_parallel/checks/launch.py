@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 
 from torch import nn
 
@@ -153,8 +154,7 @@ def _with_experts(mesh: ParallelMesh, ep: int) -> ParallelMesh:
             f"data-parallel replicas of one another. Use expert_parallel in ({', '.join(map(str, fitting)) or 'none'})"
             f", or launch a multiple of {ep} replicas" + (":" if fitting else "."),
             [Fix({"strategy.expert_parallel": max(fitting)})] if fitting else [])
-    return ParallelMesh(mesh.world_size, tensor_parallel=mesh.tp_size, pipeline_parallel=mesh.pp_size,
-                        data_parallel=dp, context_parallel=mesh.cp_size, expert_parallel=ep)
+    return replace(mesh, data_parallel=dp, expert_parallel=ep)
 
 
 def validate_launch(

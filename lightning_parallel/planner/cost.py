@@ -144,7 +144,7 @@ def predict(candidate: Candidate, work: StageWork, dims: TransformerDims, cluste
     tokens = seq * candidate.replica_batch // lay.micro_batches  # per micro-batch
     cp = lay.cp
     mesh = ParallelMesh(cluster.world, tensor_parallel=lay.tp, pipeline_parallel=lay.pp, data_parallel=lay.dp,
-                        context_parallel=cp)
+                        context_parallel=cp, expert_parallel=lay.ep)
     # the stage that paces the pipeline: the slowest, or the mean one when cores are shared
     pace = (lambda xs: sum(xs) / len(xs)) if cluster.shared_compute else max
 
@@ -210,9 +210,7 @@ def _expert_parallel(tokens: int, dims: TransformerDims, a_bytes: int, lay, work
     if lay.ep == 1 or not work.moe_layers:
         return 0.0, 0.0
     rates = cluster.rates
-    ep_mesh = ParallelMesh(mesh.world_size, tensor_parallel=lay.tp, pipeline_parallel=lay.pp, data_parallel=lay.dp,
-                           context_parallel=lay.cp, expert_parallel=lay.ep)
-    across = _crosses_nodes(ep_mesh.ep_groups()[0], cluster.devices_per_node)
+    across = _crosses_nodes(mesh.ep_groups()[0], cluster.devices_per_node)
     link = rates.inter_bandwidth if across else rates.intra_bandwidth
     layers = max(work.moe_layers)
     sent = all_to_all_bytes(tokens // lay.cp, dims.hidden, work.top_k, layers, lay.ep, a_bytes)

@@ -6,17 +6,19 @@ The order matters and each step says why it comes where it does:
 1. **initial values**: every rank starts from rank 0's single-device initialisation. A model with
    values (on the host or already on the device) is broadcast; a model built on the meta device
    broadcasts only what its construction recorded (``materialize.py``), and is materialised in
-   step 6;
+   step 5;
 2. **tensor parallelism** shards the modules a plan names (``tensor_parallel/``); the whole model's
-   values and whole copies for the split check are taken first (``checks/``); then **expert
-   parallelism** keeps this rank's whole experts of every MoE layer (``strategy/experts.py``), each
-   split by TP already, so the TP hooks around an experts module enclose its all-to-all exchange (a
-   meta-device model keeps its experts after step 5, once their values exist);
+   values and whole copies for the split check are taken first (``checks/``);
 3. **pipeline parallelism** keeps only this rank's stage, traced on the first batch (``pipeline/``);
 4. **ZeRO-2/3** shards what is left over the data-parallel replicas (``data_parallel/fully_sharded.py``),
    after the TP split has been checked against the whole copies;
 5. a meta-device model is **materialised**: only this rank's stage and shards are ever allocated,
-   with the values construction would have given them;
+   with the values construction would have given them; then **expert parallelism** keeps this rank's
+   whole experts of every MoE layer (``strategy/experts.py``), each split by TP already, so the TP
+   hooks around an experts module enclose its all-to-all exchange. It comes after materialisation so
+   that one step serves models built with values and on meta alike (whole experts exist on a rank only
+   for that moment), and it composes with neither pipeline parallelism nor ZeRO-2/3 (refused), which
+   therefore never see placed experts;
 6. what is left moves to the rank's device.
 
 Context parallelism hooks the blocks afterwards (it changes no parameter), and data parallelism
@@ -84,10 +86,6 @@ def split_model(strategy: "ParallelStrategy", module: Any) -> None:
         if options.verify_split:  # whole copies, before the split
             strategy._split_check = prepare_split_check(module, mesh, options)
         parallelize(module, mesh, plan=options.tp_plan, sequence_parallel=options.sequence_parallel)
-    # 2b. expert parallelism: each rank keeps its whole experts (of its TP shard), tokens sent to them;
-    # a meta-device model keeps them once its values exist (step 5)
-    if not on_meta:
-        strategy.experts = place_experts(module, mesh)
     # 3. pipeline parallelism
     if options.pp > 1:
         _keep_stage(strategy, module, on_meta)
@@ -98,8 +96,8 @@ def split_model(strategy: "ParallelStrategy", module: Any) -> None:
     # 5. materialisation of a meta-device model
     if on_meta:
         materialize(module, unsplit, mesh.tp_rank, mesh.tp_size, strategy.root_device, seed)
-        # every expert (of this TP shard) has its values now; this rank keeps its own (whole ones are transient)
-        strategy.experts = place_experts(module, mesh)
+    # 5b. expert parallelism: each rank keeps its whole experts (of its TP shard), tokens sent to them
+    strategy.experts = place_experts(module, mesh)
     # 6. to the device
     strategy.model_to_device()
     if strategy.fully_sharded is not None:
