@@ -102,7 +102,7 @@ def check_context_parallel(model: nn.Module, options: ParallelOptions) -> None:
     """Refuse, before any process starts, what context parallelism visibly cannot split: no block list
     to split the sequence at, Hugging Face attention other than ``sdpa`` (it would not go round the
     ring), torch attention layers that are not batch first. What shows only when the model runs is
-    checked on the first batch at setup (``checks/sequence_split.py``)."""
+    checked in the first step (``checks/first_step.py``)."""
     cp = options.cp
     try:
         find_blocks(model, options.pipeline_blocks)

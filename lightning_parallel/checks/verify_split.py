@@ -6,21 +6,24 @@ MLP's hidden features normalises each rank's half, a fused layout the plan descr
 q, k and v. Comparing the loss at initialisation cannot see the first (a near-uniform attention
 hides the regrouping: a test loss moved by 6e-5), and a model trains from it silently wrong.
 
-So, at setup, every rank runs one unit of each kind (``split_units.py``: a block, the embedding, the
+So, every rank runs one unit of each kind (``split_units.py``: a block, the embedding, the
 head) both ways on one micro-batch, in float64 (``float64.py``): the split unit as it will train
 (this rank's shards, the real tensor-parallel collectives) and a whole copy of it, taken before the
 split and given the full values of the same parameters (the shards gathered over the TP group), on
-the CPU. Both receive the inputs the unit received in one forward of the user's step on the split
-model (eval mode: dropout off), and the same random output gradient. Their outputs, the gradients
+the CPU. Both receive the inputs the unit received in the first step on the split model (run in eval
+mode: dropout off), and the same random output gradient. Their outputs, the gradients
 of their inputs and the gradients of every parameter (the whole one's sliced as the split one is
 sharded) must agree to float64 rounding (``split_compare.py``); otherwise every rank refuses the
 split with the unit, the value and the parameter that differ. The cost does not grow with depth:
-one block of each kind runs, plus the forward that records their inputs.
+one block of each kind runs.
 
+The inputs come from the run's first real step (``first_step.py``), so the user's step runs no extra
+time. Two layouts check at setup instead, on one run of the step forward only
+(``check_split_against_whole``): under pipeline parallelism each stage checks the units it holds,
+running its part of the step (``PipelineEngine.run_stages``, the stages being cut on a traced run
+already), and under ZeRO-2/3 the check runs before the parameters are sharded over the replicas.
 What it does not cover: code outside the units (the user's loss reads whole, gathered logits), and
-training-only paths of a unit (eval mode). Skipped where the step cannot run forward alone (manual
-optimisation, no data). Under pipeline parallelism each stage checks the units it holds, running its
-part of the step (``PipelineEngine.run_stages``).
+training-only paths of a unit (eval mode).
 """
 
 from __future__ import annotations
@@ -39,12 +42,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from lightning_parallel.checks.model import tp_assignments
-from lightning_parallel.checks.split_values import small_example
 from lightning_parallel.compat import tree_map
 from lightning_parallel.errors import LaunchError
+from lightning_parallel.pipeline.errors import PipelineConfigError
 from lightning_parallel.pipeline.example import first_batch
 from lightning_parallel.pipeline.isolation import untouched
 from lightning_parallel.pipeline.logs import LogCapture
+from lightning_parallel.pipeline.microbatch import batch_size, split_batch
 from lightning_parallel.pipeline.stage_modules import called_directly
 from lightning_parallel.tensor_parallel.comm import SEQ_DIM
 from lightning_parallel.tensor_parallel.shard import (
@@ -239,13 +243,25 @@ class SplitChecker:
         return where, differences
 
     # ---- every unit ----------------------------------------------------------------------------
+    def held(self, root: nn.Module) -> list[Unit]:
+        """The units this rank holds (not a pipeline stage's stand-in in their place)."""
+        return [u for u in self.units if _holds(root, u)]
+
     def run(self, root: nn.Module, run_step, device: torch.device) -> tuple[Verification, list[str]]:
-        """Compare every unit this rank holds; (what was done, the differences found, as texts)."""
+        """Compare every unit this rank holds on the inputs one ``run_step()`` (in eval mode) gives them;
+        (what was done, the differences found, as texts)."""
+        held = self.held(root)
+        with _eval_mode([root]), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            captured = capture_inputs(root, [n for u in held for n in u.part_names()], run_step)
+        return self.compare_captured(root, held, captured, device)
+
+    def compare_captured(self, root: nn.Module, held: list[Unit], captured: dict[str, Captured],
+                         device: torch.device) -> tuple[Verification, list[str]]:
+        """Compare the ``held`` units on the ``captured`` inputs, in eval mode, leaving the random number
+        generators as they were; (what was done, the differences found, as texts)."""
         start = time.perf_counter()
-        held = [u for u in self.units if _holds(root, u)]
         with _eval_mode([root] + [u.whole for u in held]), \
                 torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            captured = capture_inputs(root, [n for u in held for n in u.part_names()], run_step)
             report, found = self._compare_all(root, held, captured, device)
         report.bytes, report.seconds = self.nbytes, time.perf_counter() - start
         return report, found
@@ -319,6 +335,15 @@ def _eval_mode(modules: list[nn.Module]) -> Iterator[None]:
             m.training = mode
 
 
+def small_example(batch: Any) -> Any:
+    """The first two samples of ``batch`` (one if it holds one; two, because batch norm in training mode
+    refuses a single one); the whole batch if it holds no tensor."""
+    try:
+        return split_batch(batch, max(1, batch_size(batch) // 2))[0][0]
+    except PipelineConfigError:
+        return batch
+
+
 def step_runner(module: nn.Module, step: str, example: Any, pipeline=None):
     """A callable running ``module``'s ``step`` once on ``example``, leaving nothing behind; under pipeline
     parallelism, this rank's stages of it (``PipelineEngine.run_stages``)."""
@@ -339,27 +364,30 @@ def prepare_split_check(module: nn.Module, mesh, options) -> SplitChecker:
     return SplitChecker(choose_units(module, assignments), mesh, options.sequence_parallel)
 
 
-def check_split_against_whole(strategy: Any, trainer: Any, checker: SplitChecker,
-                 reference: Optional[tuple[list, str, Any]] = None) -> Optional[Verification]:
-    """Run ``checker`` on the split model and refuse, on every rank alike, a split that computes other
-    values (all ranks call it). ``reference`` (``probe.unsplit_values``) brings the example read before
-    the split; without it the loop's first batch is read. None where the check cannot run (see the
-    module docstring)."""
+def check_split_against_whole(strategy: Any, trainer: Any, checker: SplitChecker) -> Optional[Verification]:
+    """Run ``checker`` at setup on one forward of the step the Trainer is about to run, and refuse, on every
+    rank alike, a split that computes other values (all ranks call it). For the layouts that cannot check
+    in the first step (the module docstring); None where the check cannot run: no data, or manual
+    optimisation (its step steps optimizers itself)."""
     module = strategy.lightning_module
     if trainer is None or trainer.state.fn not in (TrainerFn.FITTING, TrainerFn.VALIDATING, TrainerFn.TESTING):
         return None
     if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
         return None
-    if reference is not None:
-        _, step, example = reference
-    else:  # a pipeline runs the micro-batch it traced; otherwise two samples do
-        batch, step = first_batch(trainer, strategy)
-        example = batch if batch is None or strategy.pipeline is not None else small_example(batch)
+    batch, step = first_batch(trainer, strategy)  # a pipeline runs the micro-batch it traced; otherwise two samples do
+    example = batch if batch is None or strategy.pipeline is not None else small_example(batch)
     if example is None:
         return None
     device = strategy.root_device
     report, found = checker.run(module, step_runner(module, step, move_data_to_device(example, device),
                                                     strategy.pipeline), device)
+    refuse_differences(found, strategy.options.tp)
+    return report
+
+
+def refuse_differences(found: list[str], tp: int) -> None:
+    """Raise the same ``LaunchError`` on every rank if any rank ``found`` a difference (all ranks call it:
+    one collective)."""
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, found)
     failed = [(rank, texts[0]) for rank, texts in enumerate(every) if texts]
@@ -367,14 +395,13 @@ def check_split_against_whole(strategy: Any, trainer: Any, checker: SplitChecker
         rank, first = failed[0]
         ranks = ", ".join(str(r) for r, _ in failed)
         raise LaunchError(
-            f"with tensor_parallel={strategy.options.tp}, the split model computes other values than the "
-            f"whole one: on rank{'s' if len(failed) > 1 else ''} {ranks}, {first}. Found at setup by running that "
-            "module whole and split in float64 on the first batch (outputs and gradients); unchecked, the model "
-            "would train silently wrong. Likely code in that module that uses a split layer's output as if it "
-            "were whole (a reshape with a hard-coded head count, a norm or softmax over split features) or a "
-            "plan entry that does not describe the module's layout (a fused q/k/v split as three equal blocks). "
-            f"To train this model, give strategy.tp_plan a plan that leaves {_every_block(first.split(' ')[0])} "
-            "whole (no entry for it or anything inside it), or train with tensor_parallel=1. "
-            "ParallelStrategy(verify_split=False) skips this check."
+            f"with tensor_parallel={tp}, the split model computes other values than the "
+            f"whole one: on rank{'s' if len(failed) > 1 else ''} {ranks}, {first}. Found on the first batch, before "
+            "any parameter changed, by running that module whole and split in float64 (outputs and gradients); "
+            "unchecked, the model would train silently wrong. Likely code in that module that uses a split layer's "
+            "output as if it were whole (a reshape with a hard-coded head count, a norm or softmax over split "
+            "features) or a plan entry that does not describe the module's layout (a fused q/k/v split as three "
+            f"equal blocks). To train this model, give strategy.tp_plan a plan that leaves "
+            f"{_every_block(first.split(' ')[0])} whole (no entry for it or anything inside it), or train with "
+            "tensor_parallel=1. ParallelStrategy(verify_split=False) skips this check."
         )
-    return report

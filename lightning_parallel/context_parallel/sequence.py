@@ -58,14 +58,13 @@ class ContextParallel:
         self.length: Optional[int] = None  # the whole sequence's length in the current step
         self.enabled = False  # inside a step or backward of the strategy
         self.inside = False  # between the first block's input and the last block's output
-        self.calls: Optional[list[int]] = None  # attention calls per block while checking
+        self.calls: Optional[list[int]] = None  # attention calls per block while counting
         self._block = 0
         self._names = [_positional_names(b) for b in self.blocks]
         self._shards: dict[int, tuple[Any, Any]] = {}  # id(side input) -> (it, its shard), for this step
         for i, block in enumerate(self.blocks):
             block.register_forward_pre_hook(self._inputs(i), with_kwargs=True)
         self.blocks[-1].register_forward_hook(self._gather)
-        self.local = False  # checking without communication: attention within the local tokens, no gather
         self._interceptor = AttentionInterceptor(self._route)
 
     @contextmanager
@@ -82,19 +81,16 @@ class ContextParallel:
             self.enabled, self.inside = False, False
 
     @contextmanager
-    def checking(self) -> Iterator[None]:
-        """Around one step at setup, without communicating (so that a rank whose step fails leaves no
-        other waiting): attention within the local tokens, the last block's output repeated in place of
-        the gather; every refusal of the split and of ``attention.attend`` applies. Refuses, besides,
-        blocks in which no attention was intercepted (attention written out by hand, Hugging Face's
-        ``eager`` attention), which would attend within this rank's tokens only."""
-        self.calls, self.local = [0] * len(self.blocks), True
+    def counting(self) -> Iterator[None]:
+        """Around the run's first step (inside ``active``): refuses, once it ran, blocks in which no
+        attention was intercepted (attention written out by hand, Hugging Face's ``eager`` attention),
+        which attended within this rank's tokens only, before any parameter changes."""
+        self.calls = [0] * len(self.blocks)
         try:
-            with self.active():
-                yield
+            yield
             missing = [i for i, n in enumerate(self.calls) if n == 0]
         finally:
-            self.calls, self.local = None, False
+            self.calls = None
         if missing:
             raise IncompatibleModelError(
                 f"context_parallel: block(s) {missing} of {self.blocks_path} ran without calling "
@@ -168,7 +164,7 @@ class ContextParallel:
             return None
         self.inside, self._shards = False, {}
         hidden = output if isinstance(output, Tensor) else output[0]
-        whole = hidden.repeat_interleave(self.ring.size, 1) if self.local else gather_sequence(hidden, 1, self.ring)
+        whole = gather_sequence(hidden, 1, self.ring)
         return whole if isinstance(output, Tensor) else (whole, *output[1:])
 
     def _route(self) -> Optional[Callable[..., Tensor]]:
@@ -178,7 +174,7 @@ class ContextParallel:
             return None
         if self.calls is not None:
             self.calls[self._block] += 1
-        return functools.partial(attend, self.length, self.ring.size, None if self.local else self.ring)
+        return functools.partial(attend, self.length, self.ring.size, self.ring)
 
 
 def _positional_names(block: nn.Module) -> list[str]:

@@ -1,8 +1,7 @@
 """Compare what a split model computes with what the whole model computed on the same input.
 
-Both setup checks use it: the pipeline's stage probe (``PipelineEngine._probe``, a stage's output
-against the traced whole forward) and the tensor-parallel value check (``checks/split_values.py``,
-the split step's loss and logged values against the whole model's).
+The pipeline's stage probe uses it (``PipelineEngine._probe``, a stage's output against the traced
+whole forward), and the float64 split check collects a unit's outputs with ``floating_tensors``.
 """
 
 from __future__ import annotations
@@ -14,17 +13,14 @@ import torch
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def floating_tensors(value: Any, numbers: bool = False) -> list[torch.Tensor]:
-    """The floating tensors in ``value`` (nested dicts, tuples and lists), in order; with ``numbers``,
-    Python floats too, as tensors."""
+def floating_tensors(value: Any) -> list[torch.Tensor]:
+    """The floating tensors in ``value`` (nested dicts, tuples and lists), in order."""
     if isinstance(value, torch.Tensor):
         return [value] if value.is_floating_point() else []
-    if numbers and isinstance(value, float):
-        return [torch.tensor(value)]
     if isinstance(value, dict):
-        return [t for v in value.values() for t in floating_tensors(v, numbers)]
+        return [t for v in value.values() for t in floating_tensors(v)]
     if isinstance(value, (tuple, list)):
-        return [t for v in value for t in floating_tensors(v, numbers)]
+        return [t for v in value for t in floating_tensors(v)]
     return []
 
 

@@ -7,8 +7,8 @@ The order matters and each step says why it comes where it does:
    values (on the host or already on the device) is broadcast; a model built on the meta device
    broadcasts only what its construction recorded (``materialize.py``), and is materialised in
    step 5;
-2. **tensor parallelism** shards the modules a plan names (``tensor_parallel/``); the whole model's
-   values and whole copies for the split check are taken first (``checks/``);
+2. **tensor parallelism** shards the modules a plan names (``tensor_parallel/``); whole copies of one
+   unit of each kind for the split check are taken first (``checks/``);
 3. **pipeline parallelism** keeps only this rank's stage, traced on the first batch (``pipeline/``);
 4. **ZeRO-2/3** shards what is left over the data-parallel replicas (``data_parallel/fully_sharded.py``),
    after the TP split has been checked against the whole copies;
@@ -39,7 +39,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_parallel.checks.share import measured_share
-from lightning_parallel.checks.split_values import unsplit_values
 from lightning_parallel.checks.verify_split import check_split_against_whole, prepare_split_check
 from lightning_parallel.compat import _sync_module_states, attached_trainer
 from lightning_parallel.data_parallel.fully_sharded import FullySharded
@@ -81,8 +80,6 @@ def split_model(strategy: "ParallelStrategy", module: Any) -> None:
         _sync_module_states(module)
     # 2. tensor parallelism
     if options.tp > 1:
-        if options.pp == 1 and not on_meta:  # what the split must reproduce (checks/split_values.py)
-            strategy._tp_reference = unsplit_values(strategy, attached_trainer(module), module)
         if options.verify_split:  # whole copies, before the split
             strategy._split_check = prepare_split_check(module, mesh, options)
         parallelize(module, mesh, plan=options.tp_plan, sequence_parallel=options.sequence_parallel)
@@ -149,8 +146,8 @@ def _check_split_before_sharding(strategy: "ParallelStrategy", module: Any, on_m
         strategy.model_to_device()
         if strategy.pipeline is not None:
             strategy.pipeline.link.device = strategy.root_device
-        strategy.split_verification = check_split_against_whole(
-            strategy, attached_trainer(module), strategy._split_check, strategy._tp_reference)
+        strategy.split_verification = check_split_against_whole(strategy, attached_trainer(module),
+                                                                strategy._split_check)
     strategy._split_check = None
 
 

@@ -7,10 +7,12 @@ The strategy owns the process mesh and, at setup, composes the parts in a fixed 
    stage, ZeRO-2/3 shards what is left over the replicas, and a model built on the meta device is
    materialised with only this rank's part;
 2. context parallelism hooks the model's blocks to split each sequence over the CP ranks
-   (``context_parallel/``), checked on the first batch (``checks/sequence_split.py``);
+   (``context_parallel/``);
 3. the optimizers are created from what is left, and data parallelism hooks the local parameters
    (``data_parallel/``), averaging gradients over the DP and CP ranks together;
-4. the split is checked against the whole model on a real batch (``checks/``).
+4. the split is checked against the whole model on a real batch (``checks/``): in the run's first step,
+   so the user's step runs exactly as often as under Lightning's ``ddp`` (``checks/first_step.py``), or
+   at setup where the pipeline traces its stages anyway.
 
 After each backward window, gradients are finalised in Megatron-LM's order (``gradients.py``).
 Clipping by norm then uses the norm of the whole model (``clipping.py``). Checkpoints
@@ -41,9 +43,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_parallel.checks.launch import validate_launch
-from lightning_parallel.checks.sequence_split import refuse_unsplittable_sequence
+from lightning_parallel.checks.first_step import FirstStepCheck
 from lightning_parallel.checks.share import Share
-from lightning_parallel.checks.split_values import refuse_failing_split, refuse_wrong_split
 from lightning_parallel.checks.trainer_flags import refuse_split_model_flags
 from lightning_parallel.checks.verify_split import SplitChecker, Verification, check_split_against_whole
 from lightning_parallel.compat import (
@@ -159,7 +160,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         self._sync_blocked = False
         self._requeue = DeferredRequeue(None)
         self._unsplit_counts: dict[str, tuple[int, int]] = {}  # parameters per module before the split
-        self._tp_reference: Optional[tuple] = None  # the whole model's values on the probe's example (checks/split_values.py)
+        self._first_step: Optional[FirstStepCheck] = None  # the split checked in the first step (checks/first_step.py)
         self._split_module: Optional[weakref.ref] = None  # the module split by _split, kept across Trainer calls
         self._empty_init = False  # init_module(empty_init=True) was asked: configure_model builds on meta too
         self.finalize_gradients: Optional[GradientFinalizer] = None
@@ -348,7 +349,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
         self._check_split(trainer)
-        if self.options.broadcast_buffers and self.mesh.dp_cp_size > 1:  # after the probes, whose steps are no real ones
+        if self.options.broadcast_buffers and self.mesh.dp_cp_size > 1:
             self.buffer_broadcast = BufferBroadcast(module, self.mesh.dp_cp_group)
 
     def _prepare_training(self, trainer: Any, module: Any) -> None:
@@ -374,20 +375,25 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
                                                     self.mesh if sequence_parallel else None, self.fully_sharded)
 
     def _check_split(self, trainer: Any) -> None:
-        """The split against the whole model on a real batch (``checks/``): the TP split's values and
-        float64 comparison, and the sequence split of context parallelism."""
-        if self.options.tp > 1 and self.pipeline is None:  # the pipeline probes its own stages
-            with self._gathered():  # ZeRO-2/3: the probe's gathers communicate nothing; drop what they gathered
-                refuse_failing_split(self, trainer, self._tp_reference)
-        if self._split_check is not None:  # tensor parallelism, pipelined or not
-            self.split_verification = check_split_against_whole(self, trainer, self._split_check, self._tp_reference)
+        """The split against the whole model on a real batch (``checks/``): at setup under pipeline
+        parallelism, whose stages are cut on a traced run of the step already; otherwise in the first
+        step the Trainer runs (``checks/first_step.py``), for tensor and context parallelism."""
+        if self._split_check is not None and self.pipeline is not None:
+            self.split_verification = check_split_against_whole(self, trainer, self._split_check)
             self._split_check = None
-        if self.options.tp > 1 and self.pipeline is None:
-            with self._gathered():
-                refuse_wrong_split(self, self._tp_reference)
-            self._tp_reference = None
-        if self.context_parallel is not None:
-            refuse_unsplittable_sequence(self, trainer, self.context_parallel)
+        if self._first_step is None and (self.options.tp > 1 or self.context_parallel is not None):
+            self._first_step = FirstStepCheck(self.lightning_module, self._split_check, self.options.tp,
+                                              self.context_parallel, self.root_device)
+            self._split_check = None
+
+    def _step(self, step: str, run: Any) -> Any:
+        """``run()``, the user's ``step`` on the split model; the first one checked (``checks/first_step.py``)."""
+        if self._first_step is None or self._first_step.done:
+            return run()
+        try:
+            return self._first_step.run(step, run)
+        finally:
+            self.split_verification = self._first_step.verification
 
     def _apply_layer_sync(self, model: Any) -> Any:
         """``Trainer(sync_batchnorm=True)``: BatchNorm statistics over the data-parallel replicas only.
@@ -457,8 +463,9 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         if self.fully_sharded is not None:  # freed again at the end of backward
             self.fully_sharded.gather_root()
         if self.pipeline is None:
+            step = super().training_step
             with self._sequence_split():
-                output = super().training_step(*args, **kwargs)
+                output = self._step("training_step", lambda: step(*args, **kwargs))
             if self.experts is not None:
                 log_tokens_per_expert(self.lightning_module, self.experts, self.mesh.dp_group)
             return output
@@ -481,8 +488,9 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         self._before_forward()
         with self._gathered():
             if self.pipeline is None:
+                step = super().validation_step
                 with self._sequence_split():
-                    return super().validation_step(*args, **kwargs)
+                    return self._step("validation_step", lambda: step(*args, **kwargs))
             with self.precision_plugin.val_step_context():
                 return self.pipeline.validation_step(*args, **kwargs)
 
@@ -491,8 +499,9 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         self._before_forward()
         with self._gathered():
             if self.pipeline is None:
+                step = super().test_step
                 with self._sequence_split():
-                    return super().test_step(*args, **kwargs)
+                    return self._step("test_step", lambda: step(*args, **kwargs))
             with self.precision_plugin.test_step_context():
                 return self.pipeline.test_step(*args, **kwargs)
 
@@ -501,8 +510,9 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         self._before_forward()
         with self._gathered():
             if self.pipeline is None:
+                step = super().predict_step
                 with self._sequence_split():
-                    return super().predict_step(*args, **kwargs)
+                    return self._step("predict_step", lambda: step(*args, **kwargs))
             with self.precision_plugin.predict_step_context():
                 return self.pipeline.predict_step(*args, **kwargs)
 

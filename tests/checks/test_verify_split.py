@@ -128,38 +128,45 @@ def plan(flaw: str | None) -> dict:
 
 
 class Outcome(Callback):
-    """Leaves, per rank, the check's report once training starts and ``step<rank>`` at each step."""
+    """Leaves, per rank, the check's report after the first step (the check runs in it, or at setup under
+    pipeline parallelism) and ``step<rank>`` at each optimizer step."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
 
-    def on_train_start(self, trainer, pl_module):
-        report = getattr(trainer.strategy, "split_verification", None)
-        torch.save(vars(report) if report is not None else None, self.out / f"report{trainer.global_rank}.pt")
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         (self.out / f"step{trainer.global_rank}").touch()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 0:
+            report = getattr(trainer.strategy, "split_verification", None)
+            torch.save(vars(report) if report is not None else None, self.out / f"report{trainer.global_rank}.pt")
         with open(self.out / f"losses{trainer.global_rank}", "a") as f:
             f.write(f"{float(outputs['loss'])!r}\n")
 
 
 class RecordingStrategy(ParallelStrategy):
-    """Writes the error its setup raises to ``<out>/rank<r>.txt``, then raises it on, once every rank has
-    written its own (the launcher stops the other ranks when the first one fails)."""
+    """Writes the error its setup (pipeline parallelism) or first training step (otherwise) raises to
+    ``<out>/rank<r>.txt``, then raises it on, once every rank has written its own (the launcher stops the
+    other ranks when the first one fails)."""
 
     def __init__(self, out: Path, **kwargs) -> None:
         super().__init__(**kwargs)
         self.out = out
 
-    def setup(self, trainer) -> None:
+    def _recorded(self, run):
         try:
-            super().setup(trainer)
+            return run()
         except LaunchError as err:
             (self.out / f"rank{self.global_rank}.txt").write_text(str(err))
             torch.distributed.barrier()
             raise
+
+    def setup(self, trainer) -> None:
+        self._recorded(lambda: super(RecordingStrategy, self).setup(trainer))
+
+    def training_step(self, *args, **kwargs):
+        return self._recorded(lambda: super(RecordingStrategy, self).training_step(*args, **kwargs))
 
 
 def data() -> DataLoader:
@@ -201,7 +208,7 @@ def test_split_that_computes_other_values_is_refused_on_every_rank_naming_module
                                                                                            what):
     messages = run(tmp_path, flaw)
     assert len(messages) == 2 and messages[0] == messages[1], messages
-    assert not list(tmp_path.glob("step*")), "a training step ran before the refusal"
+    assert not list(tmp_path.glob("step*")), "an optimizer stepped before the refusal"
     assert "the split model computes other values than the whole one" in messages[0]
     assert f"{where}: {what} differs from the whole module's" in messages[0]
     assert f"leaves {where.split(' ')[0].replace('.0.', '.*.')} whole" in messages[0]

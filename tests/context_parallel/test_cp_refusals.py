@@ -1,7 +1,7 @@
 """What context parallelism cannot split is refused with what would work: before the processes start
-where the model shows it (eager attention, pipelining), at setup on every rank, before any step,
-where only running the first batch shows it (a sequence length, a padding mask, attention written
-out by hand)."""
+where the model shows it (eager attention, pipelining), in the first step on every rank, before any
+optimizer step, where only running the first batch shows it (a sequence length, a padding mask,
+attention written out by hand)."""
 
 from datetime import timedelta
 from pathlib import Path
@@ -25,39 +25,40 @@ class MarkSteps(Callback):
     def __init__(self, out: Path) -> None:
         self.out = out
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         (self.out / f"step{trainer.global_rank}").touch()
 
 
 class RecordingStrategy(ParallelStrategy):
-    """Writes the refusal its setup raises to ``<out>/rank<r>.txt``, then raises it on."""
+    """Writes the refusal its first training step raises to ``<out>/rank<r>.txt``, then raises it on."""
 
     def __init__(self, out: Path, **kwargs) -> None:
         super().__init__(**kwargs)
         self.out = out
 
-    def setup(self, trainer) -> None:
+    def training_step(self, *args, **kwargs):
         try:
-            super().setup(trainer)
+            return super().training_step(*args, **kwargs)
         except LightningParallelError as err:
             (self.out / f"rank{self.global_rank}.txt").write_text(f"{type(err).__name__}: {err}")
             raise
 
 
 def refused_messages(module: L.LightningModule, data: torch.Tensor, out: Path, cp: int = 2) -> list[str]:
-    """Fit ``module`` with context_parallel=cp and return what setup raised on each rank; no step may run."""
+    """Fit ``module`` with context_parallel=cp and return what its first step raised on each rank; no optimizer
+    may step."""
     strategy = RecordingStrategy(out, context_parallel=cp, start_method="fork", timeout=timedelta(seconds=30))
     trainer = L.Trainer(accelerator="cpu", devices=cp, strategy=strategy, max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[MarkSteps(out)])
     with pytest.raises(Exception):
         trainer.fit(module, DataLoader(TensorDataset(data), batch_size=2))
-    assert not list(out.glob("step*")), "a training step ran before the refusal"
+    assert not list(out.glob("step*")), "an optimizer stepped before the refusal"
     return [(out / f"rank{r}.txt").read_text() for r in range(cp)]
 
 
 @pytest.mark.timeout(90)
-def test_sequence_length_that_does_not_divide_into_2n_chunks_is_refused_at_setup_on_every_rank(tmp_path):
+def test_sequence_length_that_does_not_divide_into_2n_chunks_is_refused_in_the_first_step_on_every_rank(tmp_path):
     messages = refused_messages(LlamaLM(), torch.randint(0, VOCAB, (4, 14)), tmp_path)
     assert messages[0] == messages[1]
     assert messages[0].startswith("SequenceLengthError: context_parallel=2 cuts each sequence into 2 x 2 = 4")
@@ -75,7 +76,7 @@ class PaddedLM(LlamaLM):
 
 
 @pytest.mark.timeout(90)
-def test_padding_mask_is_refused_at_setup_on_every_rank(tmp_path):
+def test_padding_mask_is_refused_in_the_first_step_on_every_rank(tmp_path):
     messages = refused_messages(PaddedLM(), torch.randint(0, VOCAB, (4, 16)), tmp_path)
     assert messages[0] == messages[1]
     assert messages[0].startswith("AttentionError: an attention mask of shape")
@@ -113,7 +114,7 @@ class HandWrittenLM(L.LightningModule):
 
 
 @pytest.mark.timeout(90)
-def test_attention_that_does_not_call_sdpa_is_refused_at_setup_on_every_rank(tmp_path):
+def test_attention_that_does_not_call_sdpa_is_refused_in_the_first_step_on_every_rank(tmp_path):
     messages = refused_messages(HandWrittenLM(), torch.randint(0, VOCAB, (4, 16)), tmp_path)
     assert messages[0] == messages[1]
     assert ("block(s) [0, 1] of blocks ran without calling torch.nn.functional.scaled_dot_product_attention"
