@@ -6,7 +6,7 @@ real tokens, so micro-batches hold very different numbers of targets. A tiny Lla
 shifts labels) and a tiny BERT (masked: no shift) train for a few AdamW steps on one device and
 pipelined; each step's loss, the logged ``train_loss`` and the final parameters must agree.
 
-Tolerances: ``test_pp_training``'s (losses 1e-5, parameters 5e-5; measured ~1e-7 and ~1e-6): the
+Tolerances: ``test_pp_training``'s (the documented bound: losses 1e-5, parameters 1e-4): the
 pipeline only reorders float32 sums. Weighting micro-batches by samples instead (the old behaviour,
 still what runs where the targets cannot be learnt) is 3e-3 off on these batches at the first step and
 2e-2 in parameters after three (``test_a_loss_the_pipeline_cannot_count_is_warned_about_and_weighted_by_samples``).

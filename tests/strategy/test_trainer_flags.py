@@ -10,7 +10,7 @@ cannot interact share one launch.
 Tolerances. float64 (``64-true``): the split runs only re-associate sums (row-parallel partial sums,
 micro-batch means, the DP mean), so losses and parameters agree to ~1e-15 relative; after three
 AdamW steps, whose 1/sqrt(v) amplifies the rounding of near-zero gradients, to 1e-10 (``F64_TOL``).
-float32: 1e-5 for losses and 5e-5 for parameters, the budget of ``test_3d.py`` for the same reasons.
+float32: the documented bound, 1e-5 for losses and 1e-4 for parameters (``tests/helpers/parity.py``).
 bf16: a loss near 4 carries a bf16 ulp of 2^-6 (below 4) or 2^-5 (above), and re-association moves
 it by about one (measured up to 0.023 for ``bf16-true``, 1e-3 for ``bf16-mixed``, whose loss is
 float32); ``BF16_TRUE_TOL`` allows 2^-5, ``BF16_MIXED_TOL`` 3e-3, and the parameter dtype is checked
@@ -51,6 +51,8 @@ from lightning_parallel import (
 )
 from lightning_parallel.models.gpt import GPT
 from tests.helpers.parity import (
+    LOSS_BOUND,
+    PARAM_BOUND,
     ReplicaBatches,
     assert_close_series,
     assert_params_close,
@@ -60,7 +62,7 @@ from tests.helpers.resnet import ResNet, image_data
 from tests.strategy.test_3d import gather_records, token_data
 
 F64_TOL = 1e-10
-LOSS_TOL, PARAM_TOL = 1e-5, 5e-5
+LOSS_TOL, PARAM_TOL = LOSS_BOUND, PARAM_BOUND
 BF16_TRUE_TOL, BF16_MIXED_TOL = 2**-5, 3e-3
 
 #: layout -> (strategy factory, processes, data-parallel replicas)
