@@ -81,10 +81,11 @@ class SavedBytes:
 warnings.filterwarnings("ignore", message=".*all_gather is deprecated", category=FutureWarning)
 
 
-def allgather_attention(q, k, v, causal, scale, ring, fused=None):
+def allgather_attention(q, k, v, causal, scale, ring, fused=None, ids=None):
     """The all-gather alternative to ``ring_attention``: the whole sequence's keys and values on every
     rank (gradients reduce-scattered back by the collective's backward), each local chunk attending
-    to the keys up to its end."""
+    to the keys up to its end. Unmasked sequences only (``ids`` None): the benchmark has no padding."""
+    assert ids is None, "the all-gather exchange is measured on unpadded sequences"
     k_all = unshard(list(dist_fn.all_gather(k.contiguous(), group=ring.group)), 2)
     v_all = unshard(list(dist_fn.all_gather(v.contiguous(), group=ring.group)), 2)
     size = q.shape[2] // 2
