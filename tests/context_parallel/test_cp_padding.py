@@ -3,7 +3,7 @@ Face causal LMs (Llama, Qwen2, StableLM; sdpa attention) fed what fine-tuning fe
 padded rows (``attention_mask``, right and left padding in one batch, ``labels=-100`` on padding),
 packed rows (restarting ``position_ids``, from which the model builds a block-diagonal mask) and a
 user's own additive 4D mask of packed documents with a padded tail, train step by step to the losses
-and parameters of one device at CP2, CP4 and DP2 x CP2 (``test_cp_training.assert_matches_one_device``).
+and parameters of one device at CP2, CP4, DP2 x CP2 and TP2 x CP2 (``test_cp_training.assert_matches_one_device``).
 
 Tolerance: that of ``test_cp_training`` (losses 1e-5, parameters 1e-4 after AdamW steps of lr 1e-2),
 for the same reason: masking only removes (query, key) pairs from sums ring attention already
@@ -102,3 +102,9 @@ def test_padded_and_packed_batches_match_one_device(tmp_path, case, cp):
 @pytest.mark.timeout(120)
 def test_dp2_cp2_padded_batches_match_one_device(tmp_path):
     assert_matches_one_device(tmp_path, dp=2, cp=2, model=CASES["llama_padded"])
+
+
+@pytest.mark.timeout(120)
+def test_tp2_cp2_padded_batches_match_one_device(tmp_path):
+    # each rank rings its own heads under the one mask every head shares
+    assert_matches_one_device(tmp_path, dp=1, cp=2, tp=2, model=CASES["qwen2_padded"])
