@@ -86,10 +86,9 @@ class Split:
         ids = token_ids(mask, self.length)
         if ids is None:
             raise AttentionError(
-                    f"{what_it_is(mask, self.length)} has no meaning once the {self.length}-token sequence is split "
-                    f"over {self.size} context-parallel ranks; {_WHAT_WORKS}. Pass the tokenizer's attention_mask "
-                    "(or restarting position_ids) and let the model build the mask, or train without "
-                    "context_parallel")
+                f"{what_it_is(mask, self.length)} has no meaning once the {self.length}-token sequence is split "
+                f"over {self.size} context-parallel ranks; {_WHAT_WORKS}. Pass the tokenizer's attention_mask "
+                "(or restarting position_ids) and let the model build the mask, or train without context_parallel")
         return ids
 
 

@@ -62,7 +62,7 @@ def token_ids(mask: Tensor, length: int) -> Optional[TokenIds]:
     if attends is None:
         return None
     causal = not bool(attends.triu(1).any())
-    first = attends.int().argmax(-1)  # the first key each query attends to
+    first = attends.to(torch.uint8).argmax(-1)  # the first key each query attends to (the first maximum)
     query = torch.where(attends.any(-1), first, torch.full_like(first, NO_KEY))
     key = torch.where(attends.diagonal(dim1=-2, dim2=-1), query, torch.full_like(query, PADDING))
     ids = TokenIds(query, key, causal)
