@@ -1,7 +1,7 @@
 """What context parallelism cannot split is refused with what would work: before the processes start
 where the model shows it (eager attention, pipelining), at setup on every rank, before any step,
-where only running the first batch shows it (a sequence length, a padding mask, attention written
-out by hand)."""
+where only running the first batch shows it (a sequence length, a mask with no meaning under the split,
+attention written out by hand)."""
 
 from datetime import timedelta
 from pathlib import Path
