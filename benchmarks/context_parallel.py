@@ -21,7 +21,12 @@ keys before them with one ``scaled_dot_product_attention`` call each, Llama 3's 
 2024 §3.3.2), to decide which exchange to use at these sizes. It also tries torch's experimental
 ``torch.distributed.tensor.experimental.context_parallel`` on the same CPU ranks.
 
+``--padding F`` pads the last fraction ``F`` of the sequence (``attention_mask`` 0 there, labels -100),
+so the ring rebuilds each block's part of the padding mask; the losses at every CP size must then
+equal CP1's, and the step times and memory beside an unpadded run's show what the mask costs.
+
     python benchmarks/context_parallel.py [--lengths 4096 8192 16384 --sizes 1 2 4 --layers 4 --compare]
+    python benchmarks/context_parallel.py --lengths 4096 --padding 0.25
 """
 
 from __future__ import annotations
@@ -81,10 +86,11 @@ class SavedBytes:
 warnings.filterwarnings("ignore", message=".*all_gather is deprecated", category=FutureWarning)
 
 
-def allgather_attention(q, k, v, causal, scale, ring, fused=None):
+def allgather_attention(q, k, v, causal, scale, ring, fused=None, ids=None):
     """The all-gather alternative to ``ring_attention``: the whole sequence's keys and values on every
     rank (gradients reduce-scattered back by the collective's backward), each local chunk attending
-    to the keys up to its end."""
+    to the keys up to its end. Unmasked sequences only (``ids`` None): the benchmark has no padding."""
+    assert ids is None, "the all-gather exchange is measured on unpadded sequences"
     k_all = unshard(list(dist_fn.all_gather(k.contiguous(), group=ring.group)), 2)
     v_all = unshard(list(dist_fn.all_gather(v.contiguous(), group=ring.group)), 2)
     size = q.shape[2] // 2
@@ -98,13 +104,19 @@ def allgather_attention(q, k, v, causal, scale, ring, fused=None):
     return torch.cat(outs, 2)
 
 
-def measure(rank: int, world: int, length: int, layers: int, repeats: int, exchange: str) -> dict:
+def measure(rank: int, world: int, length: int, layers: int, repeats: int, exchange: str, padding: float = 0.0
+            ) -> dict:
     model = build(layers)
     blocks = model.model.layers
     context = ContextParallel(blocks, dist.group.WORLD) if world > 1 else None
     if exchange == "allgather":
         cp_attention.ring_attention = allgather_attention
     tokens = torch.randint(0, 512, (1, length), generator=torch.Generator().manual_seed(1))
+    inputs = dict(input_ids=tokens, labels=tokens)
+    if padding:
+        mask = torch.ones_like(tokens)
+        mask[:, length - int(padding * length):] = 0
+        inputs.update(attention_mask=mask, labels=tokens.masked_fill(mask == 0, -100))
     counter = SavedBytes(model.parameters())
     blocks[0].register_forward_pre_hook(lambda *a: setattr(counter, "inside", True))
     blocks[-1].register_forward_hook(lambda *a: setattr(counter, "inside", False))
@@ -114,9 +126,9 @@ def measure(rank: int, world: int, length: int, layers: int, repeats: int, excha
         with context.active() if context is not None else open(os.devnull):
             if repeat == 0:
                 with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
-                    loss = model(input_ids=tokens, labels=tokens).loss
+                    loss = model(**inputs).loss
             else:
-                loss = model(input_ids=tokens, labels=tokens).loss
+                loss = model(**inputs).loss
             loss.backward()
         times.append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
@@ -181,18 +193,19 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--compare", action="store_true", help="also all-gathered keys and torch's context_parallel")
+    parser.add_argument("--padding", type=float, default=0.0, help="fraction of each sequence padded on the right")
     args = parser.parse_args()
     started = time.perf_counter()
     exchanges = ("ring", "allgather") if args.compare else ("ring",)
-    print(f"Llama, {args.layers} blocks, hidden 256, batch 1; activation memory per rank (MiB) saved for backward",
-          flush=True)
+    print(f"Llama, {args.layers} blocks, hidden 256, batch 1, {args.padding:.0%} padding; activation memory per rank "
+          "(MiB) saved for backward", flush=True)
     print(f"{'tokens':>7} {'cp':>3} {'exchange':>9} {'blocks':>8} {'total':>8} {'blocks x cp':>11} {'step s':>7} "
           f"{'loss':>8}")
     for length in args.lengths:
         base = None
         for cp in args.sizes:
             for exchange in exchanges if cp > 1 else ("-",):
-                r = run(cp, measure, length, args.layers, args.repeats, exchange)
+                r = run(cp, measure, length, args.layers, args.repeats, exchange, args.padding)
                 worst = max(r, key=lambda x: x["total"])
                 base = base or worst
                 print(f"{length:>7} {cp:>3} {exchange:>9} {worst['blocks'] / MiB:>8.1f} {worst['total'] / MiB:>8.1f} "

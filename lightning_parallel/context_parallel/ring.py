@@ -11,6 +11,12 @@ Backward makes the same round: keys and values travel again, each with the gradi
 them so far (float32), which every rank the block visits adds its share to; after the ``N``-th shift
 each gradient is back at the rank that owns those keys (Liu et al. 2023, §3; the same schedule as
 torch's experimental ``context_parallel`` and Megatron-LM's ``AttnFuncWithCPAndKVP2P``).
+
+A padded or packed batch comes as ``masks.TokenIds``, two integers per token of the whole sequence,
+which every rank holds (the mask was built before the split): each block's mask is rebuilt from
+the ids of its query rows and of the source rank's key chunks, so nothing more travels with the
+keys. The zigzag schedule stays as it is (padding and documents only remove pairs); a query row
+may then have no key in a block, or in any, and its log-sum-exp ``-inf`` weighs nothing in the merge.
 """
 
 from __future__ import annotations
@@ -24,12 +30,14 @@ from lightning_parallel.context_parallel.chunks import (
     RingBlock,
     ring_block,
     ring_source,
+    shard,
 )
 from lightning_parallel.context_parallel.comm import Ring
 from lightning_parallel.context_parallel.kernels import (
     block_attention,
     block_attention_backward,
 )
+from lightning_parallel.context_parallel.masks import TokenIds, block_mask
 
 _KV, _GRAD = 0, 1  # message tags: keys and values, their gradients
 
@@ -48,10 +56,24 @@ def _cols(block: RingBlock, length: int) -> slice:
     return slice(0, length // 2 if block.keys == "first" else length)
 
 
+def _mask(ids: Optional[TokenIds], block: RingBlock, ring: Ring, rows: slice, cols: slice) -> Optional[Tensor]:
+    """The block's mask from the ids of its query rows (this rank's) and key columns (the source rank's)."""
+    if ids is None:
+        return None
+    queries = shard(ids.query, 1, ring.size, ring.rank)[:, rows]
+    keys = shard(ids.key, 1, ring.size, block.source)[:, cols]
+    return block_mask(queries, keys, block.causal)
+
+
+def _weight(lse: Tensor, merged: Tensor) -> Tensor:
+    """A part's share ``exp(lse - merged)`` of its rows; 0 where no part has a key (both ``-inf``)."""
+    return (lse - merged).exp().masked_fill(merged == float("-inf"), 0.0).unsqueeze(-1)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: Optional[float], ring: Ring,
-                fused: Optional[bool]) -> Tensor:
+                fused: Optional[bool], ids: Optional[TokenIds]) -> Tensor:
         length = q.shape[-2]
         kv = torch.stack((k, v))
         out = lse = None
@@ -59,20 +81,21 @@ class _RingAttention(torch.autograd.Function):
             arriving = ring.shift(kv, _KV) if step + 1 < ring.size else None
             block = _block(ring.rank, step, ring.size, causal)
             rows, cols = _rows(block, length), _cols(block, length)
-            o, o_lse = block_attention(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :], block.causal,
-                                       scale, fused)
+            mask = _mask(ids, block, ring, rows, cols)
+            o, o_lse = block_attention(q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :],
+                                       block.causal and mask is None, scale, fused, mask)
             if out is None:  # step 0 covers every row
                 out, lse = o.float(), o_lse
             else:  # softmax over both: each part weighted by its share of the rows' exp-sum
                 merged = torch.logaddexp(lse[..., rows], o_lse)
-                out[..., rows, :] = (out[..., rows, :] * (lse[..., rows] - merged).exp().unsqueeze(-1)
-                                     + o.float() * (o_lse - merged).exp().unsqueeze(-1))
+                out[..., rows, :] = (out[..., rows, :] * _weight(lse[..., rows], merged)
+                                     + o.float() * _weight(o_lse, merged))
                 lse[..., rows] = merged
             if arriving is not None:
                 kv = arriving()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.ring, ctx.fused = causal, scale, ring, fused
+        ctx.causal, ctx.scale, ctx.ring, ctx.fused, ctx.ids = causal, scale, ring, fused, ids
         return out
 
     @staticmethod
@@ -86,22 +109,26 @@ class _RingAttention(torch.autograd.Function):
             arriving = ring.shift(kv, _KV) if step + 1 < ring.size else None
             block = _block(ring.rank, step, ring.size, ctx.causal)
             rows, cols = _rows(block, length), _cols(block, length)
+            mask = _mask(ctx.ids, block, ring, rows, cols)
             dq_b, dk_b, dv_b = block_attention_backward(
                 grad_out[..., rows, :], q[..., rows, :], kv[0][..., cols, :], kv[1][..., cols, :],
-                out[..., rows, :], lse[..., rows], block.causal, ctx.scale, ctx.fused)
+                out[..., rows, :], lse[..., rows], block.causal and mask is None, ctx.scale, ctx.fused, mask)
             dq[..., rows, :] += dq_b
             dkv[0][..., cols, :] += dk_b
             dkv[1][..., cols, :] += dv_b
             dkv = ring.shift(dkv, _GRAD)()  # on to the next rank, which holds these keys at the next step
             if arriving is not None:
                 kv = arriving()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: Optional[float], ring: Ring,
-                   fused: Optional[bool] = None) -> Tensor:
+                   fused: Optional[bool] = None, ids: Optional[TokenIds] = None) -> Tensor:
     """Attention of this rank's queries on the keys of the whole sequence, ``(batch, heads, local, dim)``
     in and out; ``k`` and ``v`` may have fewer heads than ``q`` (grouped-query attention). ``causal``:
     the sequence's causal mask, under the zigzag layout of ``chunks.py``; otherwise every query attends
-    to every key. ``fused``: the CPU kernel or the float32 formulas (default: by device, ``kernels.py``)."""
-    return _RingAttention.apply(q, k, v, causal, scale, ring, fused)
+    to every key. ``ids``: padding and documents of the whole sequence (``masks.py``), whose ``causal``
+    must be ``causal``. ``fused``: the CPU kernel or the float32 formulas (default: by device, ``kernels.py``)."""
+    if ids is not None and ids.causal != causal:
+        raise ValueError(f"ring_attention: causal={causal} with token ids of a causal={ids.causal} mask")
+    return _RingAttention.apply(q, k, v, causal, scale, ring, fused, ids)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_parallel.compat import in_backward
-from lightning_parallel.context_parallel.attention import AttentionInterceptor, attend
+from lightning_parallel.context_parallel.attention import AttentionInterceptor, Split, attend
 from lightning_parallel.context_parallel.chunks import check_length, shard
 from lightning_parallel.context_parallel.comm import Ring, gather_sequence
 from lightning_parallel.errors import IncompatibleModelError
@@ -56,6 +56,7 @@ class ContextParallel:
         self.ring = Ring(group)
         self.blocks_path, self.blocks = blocks_path, list(blocks)
         self.length: Optional[int] = None  # the whole sequence's length in the current step
+        self.split: Optional[Split] = None  # what attention needs of the current step's split
         self.enabled = False  # inside a step or backward of the strategy
         self.inside = False  # between the first block's input and the last block's output
         self.calls: Optional[list[int]] = None  # attention calls per block while counting
@@ -129,6 +130,7 @@ class ContextParallel:
         if not in_backward():  # a block recomputed by activation checkpointing is split again, as it was
             self.length, self.inside = length, True
             self._shards = {}
+            self.split = Split(length, self.ring.size, self.ring.rank, self.ring)
         return shard(hidden, 1, self.ring.size, self.ring.rank)
 
     def _side(self, name: str, value: Any, length: int) -> Any:
@@ -170,11 +172,11 @@ class ContextParallel:
     def _route(self) -> Optional[Callable[..., Tensor]]:
         """For the attention interceptor: ``attend`` with this split's sizes while the sequence is split
         (inside the blocks, or recomputing them during backward), else None."""
-        if not (self.enabled and (self.inside or (in_backward() and self.length is not None))):
+        if not (self.enabled and (self.inside or (in_backward() and self.split is not None))):
             return None
         if self.calls is not None:
             self.calls[self._block] += 1
-        return functools.partial(attend, self.length, self.ring.size, self.ring)
+        return functools.partial(attend, self.split)
 
 
 def _positional_names(block: nn.Module) -> list[str]:

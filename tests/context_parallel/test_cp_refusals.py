@@ -1,6 +1,7 @@
 """What context parallelism cannot split is refused with what would work: before the processes start
 where the model shows it (eager attention, pipelining), in the first step on every rank, before any
-optimizer step, where only running the first batch shows it (a sequence length, a padding mask,
+optimizer step, where only running the first batch shows it (a sequence length, a mask with no meaning
+under the split,
 attention written out by hand)."""
 
 from datetime import timedelta
@@ -65,23 +66,25 @@ def test_sequence_length_that_does_not_divide_into_2n_chunks_is_refused_in_the_f
     assert "the sequence length is 14. Use sequences of a multiple of 4 tokens (12 or 16)" in messages[0]
 
 
-class PaddedLM(LlamaLM):
-    """Right-padded sequences: the last two tokens of every sample are padding (attention_mask 0)."""
+class PrefixLM(LlamaLM):
+    """A prefix-LM mask of the user's own: the first 4 tokens see each other, the rest attend causally."""
 
     def training_step(self, batch, batch_idx):
         (tokens,) = batch
-        mask = torch.ones_like(tokens)
-        mask[:, -2:] = 0
-        return self.model(input_ids=tokens, attention_mask=mask, labels=tokens.masked_fill(mask == 0, -100)).loss
+        mask = torch.ones(16, 16, dtype=torch.bool).tril()
+        mask[:4, :4] = True
+        return self.model(input_ids=tokens, attention_mask=mask.expand(len(tokens), 1, 16, 16), labels=tokens).loss
 
 
 @pytest.mark.timeout(90)
-def test_padding_mask_is_refused_in_the_first_step_on_every_rank(tmp_path):
-    messages = refused_messages(PaddedLM(), torch.randint(0, VOCAB, (4, 16)), tmp_path)
+def test_mask_without_meaning_under_the_split_is_refused_in_the_first_step_on_every_rank(tmp_path):
+    # padding and packed documents are taken (test_cp_padding.py); a prefix-LM mask is not
+    messages = refused_messages(PrefixLM(), torch.randint(0, VOCAB, (4, 16)), tmp_path)
     assert messages[0] == messages[1]
-    assert messages[0].startswith("AttentionError: an attention mask of shape")
-    assert "that is not the causal mask of the 16-token sequence (a padding mask" in messages[0]
-    assert "pass no attention_mask), or without context_parallel" in messages[0]
+    assert messages[0].startswith("AttentionError: an attention mask of shape (2, 1, 16, 16) that is neither causal "
+                                  "nor bidirectional attention within documents with padding")
+    assert "has no meaning once the 16-token sequence is split over 2 context-parallel ranks" in messages[0]
+    assert "or train without context_parallel" in messages[0]
 
 
 class HandWrittenAttention(nn.Module):

@@ -110,8 +110,9 @@ def demo_transformer() -> L.LightningModule:
 
 def attention_of(module: L.LightningModule) -> nn.Module:
     """The first split block's self-attention."""
-    if isinstance(module, LlamaLM):
-        return module.model.model.layers[0].self_attn
+    decoder = getattr(getattr(module, "model", None), "model", None)  # a Hugging Face causal LM's decoder
+    if decoder is not None:
+        return decoder.layers[0].self_attn
     if isinstance(module, GPT):
         return module.transformer.h[0].attn
     return module.model.transformer.decoder.layers[0].self_attn
@@ -125,9 +126,10 @@ MODELS = {
 }
 
 
-def assert_matches_one_device(tmp_path, dp: int, cp: int, tp: int = 1, model: str = "hf_llama",
+def assert_matches_one_device(tmp_path, dp: int, cp: int, tp: int = 1, model: str | tuple = "hf_llama",
                               zero_stage: int = 0, **trainer) -> None:
-    build, data = MODELS[model]
+    """``model``: a name of ``MODELS``, or its ``(build, data)`` pair."""
+    build, data = MODELS[model] if isinstance(model, str) else model
     L.seed_everything(0)
     module, data = build(), data()
     expected = fit_and_record(module, data, 2 * dp, str(tmp_path / "one"), max_steps=STEPS, emulate_replicas=dp,
