@@ -10,6 +10,8 @@ Each message states the constraint that was violated and what would work. Catch
   collective, the same on every rank;
 - ``IncompatibleModelError``: the model cannot be split or trained as asked (no block list, blocks
   that run twice, nothing a tensor-parallel plan splits);
+- ``MetaConstructionError`` (a model error): construction under ``empty_init`` reads a value that is
+  not known before the model is materialised;
 - ``CheckpointError``: a checkpoint that cannot be written, or does not match the model it is
   loaded into.
 
@@ -115,6 +117,10 @@ class LaunchError(LightningParallelError, ValueError):
 
 class IncompatibleModelError(LightningParallelError, ValueError):
     """A model that cannot be split or trained the way the strategy was asked to."""
+
+
+class MetaConstructionError(IncompatibleModelError):
+    """Construction under ``empty_init`` reads a parameter value that the meta device cannot give yet."""
 
 
 class CheckpointError(LightningParallelError):

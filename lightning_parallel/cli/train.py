@@ -50,10 +50,13 @@ def _build_model(cfg: DictConfig, trainer):
     through the same function, so that `strategy=single` is the reference the parallel runs start
     from. Where construction does something that cannot be replayed on meta (``init=auto``), the
     model is built with values on the host instead when it fits there (a copy per local process),
-    and refused with the reason when it does not. ``init=host`` or ``init=meta`` forces one.
+    and refused with the reason when it does not; so is one whose construction reads a value that is
+    not known on meta before materialisation (``MetaConstructionError``). ``init=host`` or
+    ``init=meta`` forces one.
     """
     import torch
 
+    from lightning_parallel.errors import MetaConstructionError
     from lightning_parallel.strategy import ParallelStrategy
     from lightning_parallel.strategy.empty_init import unreplayable
     from lightning_parallel.strategy.materialize import (
@@ -65,12 +68,23 @@ def _build_model(cfg: DictConfig, trainer):
     ours = isinstance(trainer.strategy, ParallelStrategy)
     start = torch.get_rng_state()
     if cfg.get("init", "auto") != "host":
-        if ours:
-            with trainer.init_module(empty_init=True):
-                model = instantiate(cfg.model, _convert_="all")
-        else:
-            with trainer.init_module(empty_init=False), empty_parameters():
-                model = instantiate(cfg.model, _convert_="all")
+        try:
+            if ours:
+                with trainer.init_module(empty_init=True):
+                    model = instantiate(cfg.model, _convert_="all")
+            else:
+                with trainer.init_module(empty_init=False), empty_parameters():
+                    model = instantiate(cfg.model, _convert_="all")
+        except Exception as error:  # noqa: BLE001 - Hydra wraps what the constructor raised
+            refusal = error
+            while refusal is not None and not isinstance(refusal, MetaConstructionError):
+                refusal = refusal.__cause__
+            if refusal is None or cfg.get("init") == "meta":  # not a value read on meta, or meta was asked
+                raise
+            log.info("model built on the host: %s", refusal)
+            torch.set_rng_state(start)
+            with trainer.init_module(empty_init=False):
+                return instantiate(cfg.model, _convert_="all")
         problems = unreplayable(model)
         if not problems:
             log.info("model built on the meta device: each process materialises its part (init=meta)")

@@ -20,8 +20,20 @@ model is split, for exactly the part a rank holds:
   (``nn.MultiheadAttention._reset_parameters``), loops in a parent's ``__init__`` (nanoGPT's scaled
   ``c_proj``) and PEFT's LoRA initialisation all get their values;
 - ``unknown``: why construction did something that cannot be replayed (a parameter filled from
-  another meta tensor). Materialising it is refused with that reason; nothing is initialised over
-  it.
+  a meta tensor whose value nothing records). Materialising it is refused with that reason; nothing
+  is initialised over it.
+
+Construction that reads a parameter's values (``resize_token_embeddings``, which draws the new rows
+from the old rows' mean and covariance; an init that scales one weight by another's ``std()``;
+``buffer.copy_(param)``) gets them on demand: the parameter's value is computed on the host from its
+record (read from the pretrained file, the recorded calls replayed) and the call runs on real
+tensors, as in eager construction; what it writes into a parameter is recorded like any other
+value. Only the parameters read are built on the host, and only until the model is split. A read of
+a value that is not known before materialisation (a parameter made on the meta device by the module
+itself, which draws its values only then; one nothing set) is refused at construction with
+``MetaConstructionError``, naming the call. Modules created with ``device=param.device`` get the
+device eager construction would have given them (the host), so their own random initialisation draws
+from the generator as there.
 
 Recording is done by a ``TorchFunctionMode`` that sees every torch call during construction and
 by the constructors of ``nn.Parameter`` and ``nn.Module.register_parameter``; only calls that
@@ -39,9 +51,10 @@ from typing import Any, Callable, Generator, Optional
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_parallel.checkpoint.pretrained import deferred_pretrained_reads
+from lightning_parallel.checkpoint.pretrained import SafetensorsTensor, deferred_pretrained_reads
+from lightning_parallel.errors import MetaConstructionError
 
 # nn.init functions that reach a TorchFunctionMode themselves (the others reach it through the
 # tensor methods they call, e.g. xavier_uniform_ -> uniform_): recorded as one call
@@ -56,7 +69,9 @@ _VIEWS = {
 _ALIASES = {Tensor.data.__get__, Tensor.detach}  # the parameter itself, without autograd
 _COPIES = {Tensor.clone, Tensor.to, Tensor.type, Tensor.float, Tensor.double, Tensor.half, Tensor.bfloat16,
            Tensor.contiguous}  # a copy of the whole parameter, possibly in another dtype
+# a new method-wrapper at each access: compared with ==
 _SET_DATA = Tensor.data.__set__
+_DEVICE = Tensor.device.__get__
 _EMPTY = {torch.empty, torch.empty_like, torch.empty_strided, Tensor.new_empty}
 # calls that draw random numbers (nn.init functions and tensor methods)
 _RANDOM = {"normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
@@ -64,6 +79,9 @@ _RANDOM = {"normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier
            "cauchy_", "random_"}
 # in-place methods that change no values
 _NOT_WRITES = {"requires_grad_", "share_memory_", "retain_grad", "record_stream", "pin_memory"}
+# calls that make a new tensor shaped like a parameter without reading its values
+_SHAPED_LIKE = {torch.zeros_like, torch.ones_like, torch.full_like, torch.rand_like, torch.randn_like,
+                torch.randint_like, Tensor.new_zeros, Tensor.new_ones, Tensor.new_full, Tensor.new_tensor}
 
 
 def _writes(func: Callable) -> bool:
@@ -89,13 +107,9 @@ class Op:
     def apply(self, tensor: Tensor) -> Tensor:
         """Apply to the real ``tensor``; returns it (a dtype change returns a new tensor). A random call
         draws from the generator state construction had, so it gives the values eager construction gave."""
-        if self.func is _SET_DATA:  # param.data = param.to(dtype): the only whole-tensor replacement kept
+        if self.func == _SET_DATA:  # param.data = param.to(dtype): the only whole-tensor replacement kept
             return tensor.to(self.args[0])
-        view = tensor
-        for func, args, kwargs, index in self.path:
-            view = func(view, *args, **kwargs)
-            if index is not None:
-                view = view[index]
+        view = _follow(tensor, self.path)
         if self.rng is None:
             self.call(view)
             return tensor
@@ -137,13 +151,49 @@ class History:
     dtype: Optional[torch.dtype] = None  # the dtype the parameter was created in (ops replay in it)
     device: str = "cpu"  # where eager construction would have put it: random calls draw only off "meta"
 
+    value: Optional[Tensor] = field(default=None, repr=False)  # the value computed for a read, until a write
+
     def reset(self, initial: Any) -> None:
         """A value assigned whole: what came before no longer matters."""
-        self.initial, self.ops, self.unknown = initial, [], None
+        self.initial, self.ops, self.unknown, self.value = initial, [], None, None
         self.dtype = getattr(initial, "dtype", self.dtype)
+
+    def add(self, op: Op) -> None:
+        self.ops.append(op)
+        self.value = None
 
     def copy(self) -> "History":
         return History(self.initial, list(self.ops), self.unknown, self.dtype, self.device)
+
+    def not_known_yet(self) -> Optional[str]:
+        """Why the value cannot be computed before materialisation (None: it can, by ``replay``)."""
+        if self.unknown is not None:
+            return f"during construction {self.unknown}"
+        if self.initial is None and not self.ops:
+            return "nothing has set its value yet"
+        if any(op.rng is None and _name(op.func) in _RANDOM for op in self.ops):
+            return ("it was made on the meta device, so its random initialisation draws only when the model is "
+                    "materialised")
+        return None
+
+    def replay(self, like: Tensor, device: torch.device) -> Tensor:
+        """The whole value: the initial value with the recorded calls applied, in ``like``'s shape and dtype."""
+        initial = self.initial
+        if isinstance(initial, SafetensorsTensor):
+            value = initial.read().to(device)
+        elif isinstance(initial, Tensor):
+            value = initial.to(device=device, copy=True)
+        else:
+            value = unset(like, device, self.dtype)
+        for op in self.ops:
+            value = op.apply(value)
+        return value.to(like.dtype)
+
+
+def unset(like: Tensor, device: torch.device, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """A tensor shaped like ``like``, NaN where floating point, so a value no init function wrote is detected."""
+    empty = torch.empty(like.shape, dtype=dtype or like.dtype, device=device)
+    return empty.fill_(float("nan")) if empty.is_floating_point() else empty
 
 
 def history_of(param: Tensor) -> Optional[History]:
@@ -179,7 +229,10 @@ class _Recorder(TorchFunctionMode):
         # parameters themselves (path ()); the tensor is kept so an id is never reused meanwhile
         self.aliases: dict[int, tuple[Tensor, nn.Parameter, tuple]] = {}
         self.copies: dict[int, tuple[Tensor, nn.Parameter]] = {}  # whole copies (clone, to(dtype))
-        self.empty: dict[int, weakref.ref] = {}  # tensors made by torch.empty and friends: no values yet
+        # tensors made by torch.empty and friends (no values yet), and the device eager construction gives them
+        self.empty: dict[int, tuple[weakref.ref, str]] = {}
+        # id(device) -> (device, eager device type): the devices ``param.device`` returned
+        self.devices: dict[int, tuple[torch.device, str]] = {}
 
     def track(self, param: nn.Parameter, history: History) -> nn.Parameter:
         if history.dtype is None:
@@ -196,12 +249,12 @@ class _Recorder(TorchFunctionMode):
         """The history of a parameter created from ``data`` (a copy of another parameter's, where ``data``
         copies a parameter: ``copy.deepcopy`` of a layer, ``param.to(dtype)``)."""
         made = self.empty.pop(id(data), None)
-        if made is not None and made() is data:
-            return History(device=data.device.type)
-        copied = self.copies.get(id(data))
-        if copied is not None and copied[0] is data:
-            history = history_of(copied[1]).copy()
-            if data.dtype != copied[1].dtype:
+        if made is not None and made[0]() is data:
+            return History(device=made[1])
+        copied = self.copy_of(data)
+        if copied is not None:
+            history = history_of(copied).copy()
+            if data.dtype != copied.dtype:
                 history.ops.append(Op((), _SET_DATA, (data.dtype,), {}))
             return history
         found = self.alias(data)
@@ -213,19 +266,30 @@ class _Recorder(TorchFunctionMode):
             return History(device="meta")
         return History(initial=data.detach(), device=data.device.type)
 
+    def copy_of(self, tensor: Any) -> Optional[nn.Parameter]:
+        entry = self.copies.get(id(tensor)) if isinstance(tensor, Tensor) else None
+        return entry[1] if entry is not None and entry[0] is tensor else None
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _EMPTY:
             out = func(*args, **kwargs)
-            self.empty[id(out)] = weakref.ref(out)
+            self.empty[id(out)] = (weakref.ref(out), self.eager_device(kwargs.get("device")) or out.device.type)
             return out
         target, rest, others, slot = _split_target(args, kwargs)
         found = self.alias(target)
         if found is None:
-            self._refuse_writes_from_parameters(func, target, rest, others)
+            if self.copy_of(target) is not None and _writes(func):  # its values now differ from the parameter's
+                self.copies.pop(id(target))
+            elif any(self.alias(t) or self.copy_of(t) is not None for t in tree_flatten((args, kwargs))[0]):
+                return self._read(func, args, kwargs)
+            if self.devices:
+                args, kwargs = tree_map(self.on_eager_device, (args, kwargs))
             return func(*args, **kwargs)
         param, path = found
         history = history_of(param)
+        if func == _DEVICE:
+            return self._device_of(history)
         if func in _ALIASES and len(args) == 1:
             out = func(*args, **kwargs)
             self.aliases[id(out)] = (out, param, path)
@@ -242,17 +306,78 @@ class _Recorder(TorchFunctionMode):
             if isinstance(out, Tensor):
                 self.copies[id(out)] = (out, param)
             return out
-        if (func is _SET_DATA or func is Tensor.copy_) and rest:
+        if (func == _SET_DATA or func is Tensor.copy_) and rest:
             self._assign(history, param, path, rest[0], func)
-            return None if func is _SET_DATA else target
+            return None if func == _SET_DATA else target
         if _writes(func):
-            given, _ = tree_flatten((rest, others))
-            if any(isinstance(t, Tensor) and (t.is_meta or self.alias(t) is not None) for t in given):
+            given = tree_map(self._known_value, (rest, others))
+            if any(isinstance(t, Tensor) and t.is_meta for t in tree_flatten(given)[0]):
                 history.unknown = f"{_name(func)}(...) was given another meta tensor"
             else:
-                history.ops.append(self._drawn(Op(path, func, rest, others, slot), target, history.device))
+                history.add(self._drawn(Op(path, func, *given, slot), target, history.device))
             return target
+        if _name(func) in _NOT_WRITES:
+            return func(*args, **kwargs)
+        return self._read(func, args, kwargs)
+
+    # ---- values read during construction, and the device eager construction would have used ----
+    def _read(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """``func`` on recorded parameters: on meta where it needs no values (shapes, dtypes, a tensor shaped
+        like one), otherwise on the parameters' values, computed now on the host (see the module docstring)."""
+        if not _writes(func):  # a real tensor written from a parameter needs its value
+            try:
+                out = func(*args, **kwargs)
+            except (RuntimeError, NotImplementedError):  # a value the meta device does not have (item, bool)
+                pass
+            else:
+                if func in _SHAPED_LIKE or not any(isinstance(t, Tensor) for t in tree_flatten(out)[0]):
+                    return out
+        args, kwargs = tree_map(lambda t: self._value(t, func), (args, kwargs))
         return func(*args, **kwargs)
+
+    def _value(self, tensor: Any, func: Callable) -> Any:
+        """The host value of a recorded parameter, a view or a copy of one; anything else as it is."""
+        found = self.alias(tensor)
+        copied = None if found is not None else self.copy_of(tensor)
+        if found is None and copied is None:
+            return tensor
+        param, path = found if found is not None else (copied, ())
+        history = history_of(param)
+        why = history.not_known_yet()
+        if why is not None and (self.draws or history.unknown is not None):
+            raise MetaConstructionError(
+                f"{_caller(func)} reads the values of a parameter of shape {tuple(param.shape)} during construction "
+                f"under empty_init, and they are not known before the model is materialised ({why}); build the "
+                "model with values: trainer.init_module(empty_init=False), or lp-train init=host"
+            )
+        if history.value is None:
+            history.value = history.replay(param, torch.device("cpu"))
+        if copied is not None:
+            return history.value.to(tensor.dtype, copy=True)
+        return _follow(history.value, path)
+
+    def _known_value(self, tensor: Any) -> Any:
+        """``_value`` where it is known now; the tensor itself otherwise (a write from it is then unknown)."""
+        try:
+            return self._value(tensor, Tensor.copy_)
+        except MetaConstructionError:
+            return tensor
+
+    def _device_of(self, history: History) -> torch.device:
+        """``param.device``: meta, as one that factories given it treat as the device eager construction had
+        (the host for a parameter with a value), so a module made ``device=param.device`` draws as there."""
+        device = torch.device("meta")
+        if history.device != "meta":
+            self.devices[id(device)] = (device, history.device)
+        return device
+
+    def eager_device(self, device: Any) -> Optional[str]:
+        entry = self.devices.get(id(device)) if isinstance(device, torch.device) else None
+        return entry[1] if entry is not None and entry[0] is device else None
+
+    def on_eager_device(self, value: Any) -> Any:
+        eager = self.eager_device(value)
+        return value if eager is None else torch.device(eager)
 
     def _drawn(self, op: Op, target: Tensor, device: str) -> Op:
         """A random call is made on a scratch tensor of the target's shape, so the generator moves on as
@@ -271,26 +396,53 @@ class _Recorder(TorchFunctionMode):
         return op
 
     def _assign(self, history: History, param: nn.Parameter, path: tuple, source: Any, func: Callable) -> None:
-        copied = self.copies.get(id(source))
-        if isinstance(source, Tensor) and not source.is_meta:
-            if path == () and source.shape == param.shape:
-                history.reset(source.detach().to(param.dtype))
-            else:  # a real tensor into part of the parameter: replayable like any other write
-                history.ops.append(Op(path, Tensor.copy_, (source.detach(),), {}))
-        elif func is _SET_DATA and path == () and copied is not None and copied[0] is source and copied[1] is param:
-            history.ops.append(Op((), _SET_DATA, (source.dtype,), {}))  # param.data = param.to(dtype)
-        else:
+        """``param.data = source`` or ``param.copy_(source)`` (through ``path``): a parameter's whole value
+        takes the source's record; a real or computable value is kept (the parameter takes its shape)."""
+        whole = path == () and (func == _SET_DATA or source.shape == param.shape)
+        other = self.alias(source)
+        if whole and other is not None and other[1] == () and other[0] is not param:
+            source_history = history_of(other[0]).copy()  # replayed, or read, the same way as the other's
+            history.reset(source_history.initial)
+            history.ops, history.unknown = source_history.ops, source_history.unknown
+            history.dtype, history.device = source_history.dtype, source_history.device
+            if source.dtype != param.dtype and func is Tensor.copy_:
+                history.add(Op((), _SET_DATA, (param.dtype,), {}))
+            if func == _SET_DATA:
+                _SET_DATA(param, torch.empty_like(source, device="meta"))
+            return
+        copied = self.copy_of(source)
+        if func == _SET_DATA and path == () and copied is param:
+            history.add(Op((), _SET_DATA, (source.dtype,), {}))  # param.data = param.to(dtype)
+            return
+        value = self._known_value(source)
+        if not isinstance(value, Tensor) or value.is_meta:
             history.unknown = f"{_name(func)} was given another meta tensor"
+        elif whole:
+            history.reset(value.detach().to(source.dtype if func == _SET_DATA else param.dtype))
+            history.device = value.device.type
+            if func == _SET_DATA and (value.shape != param.shape or value.dtype != param.dtype):
+                _SET_DATA(param, torch.empty_like(value, device="meta"))
+        else:  # a value into part of the parameter: replayable like any other write
+            history.add(Op(path, Tensor.copy_, (value.detach(),), {}))
 
-    def _refuse_writes_from_parameters(self, func: Callable, target: Any, args: tuple, kwargs: dict) -> None:
-        """A real tensor written from a meta parameter (``buffer.copy_(param)``) cannot get its value."""
-        if _writes(func) or func is _SET_DATA:
-            rest, _ = tree_flatten((args, kwargs))
-            if isinstance(target, Tensor) and not target.is_meta and any(self.alias(t) for t in rest):
-                raise RuntimeError(
-                    f"{_name(func)} writes a meta parameter's value into a real tensor during construction under "
-                    "empty_init, where parameters have no values yet; build this model without empty_init"
-                )
+
+def _follow(tensor: Tensor, path: tuple) -> Tensor:
+    """The view of ``tensor`` that ``path`` (view calls, see ``Op``) reaches."""
+    for func, args, kwargs, index in path:
+        tensor = func(tensor, *args, **kwargs)
+        if index is not None:
+            tensor = tensor[index]
+    return tensor
+
+
+def _caller(func: Callable) -> str:
+    """``func`` and the innermost frames of the code that called it outside torch and this package."""
+    import traceback
+
+    frames = [f for f in traceback.extract_stack()[:-3]
+              if "/torch/" not in f.filename and "/lightning_parallel/" not in f.filename and "contextlib" not in f.filename]
+    where = " < ".join(f"{f.name} ({f.filename.rsplit('/', 1)[-1]}:{f.lineno})" for f in reversed(frames[-3:]))
+    return f"{_name(func)}() in {where}" if where else f"{_name(func)}()"
 
 
 def _name(func: Callable) -> str:
@@ -318,6 +470,7 @@ def _defer(param: nn.Parameter, source: Any) -> bool:
     if history is None:
         return False
     history.reset(source)
+    history.device = "cpu"  # where the loaded value would be: a module made on its device draws as there
     return True
 
 

@@ -42,7 +42,7 @@ from lightning_parallel.checkpoint.pretrained import SafetensorsTensor, read_sha
 from lightning_parallel.compat import _sync_module_states_over
 from lightning_parallel.data_parallel.fully_sharded import sharded_like
 from lightning_parallel.errors import IncompatibleModelError
-from lightning_parallel.strategy.empty_init import History, empty_parameters, history_of  # noqa: F401 - re-exported
+from lightning_parallel.strategy.empty_init import History, empty_parameters, history_of, unset  # noqa: F401 - re-exported
 from lightning_parallel.tensor_parallel.shard import TPShard, slice_shard
 
 _BUCKET_BYTES = 250 * 1024 * 1024  # the bucket Lightning's and DDP's initial broadcast use
@@ -172,12 +172,6 @@ def module_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def _unset(p: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """NaN where floating point, so a value no init function wrote is detected."""
-    empty = torch.empty(p.shape, dtype=dtype or p.dtype, device=device)
-    return empty.fill_(float("nan")) if empty.is_floating_point() else empty
-
-
 def _owner_values(owner: _Owner, wanted: dict[str, Optional[TPShard]], device: torch.device, seed: int,
                   tp_rank: int, tp_size: int) -> dict[str, torch.Tensor]:
     """This rank's values (TP shards where ``wanted`` gives one) of the ``wanted`` parameters of ``owner``.
@@ -229,23 +223,14 @@ def _replayed(history: History, param: nn.Parameter, device: torch.device, name:
             f"{name} cannot be materialised from the meta device: during construction {history.unknown}, "
             "which cannot be replayed once the model is split; create the model without empty_init"
         )
-    initial = history.initial
-    if isinstance(initial, SafetensorsTensor):
-        value = initial.read().to(device)
-    elif isinstance(initial, torch.Tensor):
-        value = initial.to(device=device, copy=True)
-    else:
-        value = _unset(param, device, history.dtype)
-    for op in history.ops:
-        value = op.apply(value)
-    return value.to(param.dtype)
+    return history.replay(param, device)
 
 
 def _initialised_by_the_module(owner: _Owner, device: torch.device) -> dict[str, torch.Tensor]:
     """Values of the parameters of ``owner`` that have no record, as its own init functions set them."""
     scratch = copy.copy(owner.module)
     scratch._parameters = {
-        attr: None if p is None else nn.Parameter(_unset(p, device), p.requires_grad)
+        attr: None if p is None else nn.Parameter(unset(p, device), p.requires_grad)
         for attr, p in owner.params.items()
     }
     if hasattr(scratch, "reset_parameters"):

@@ -107,19 +107,58 @@ def test_hugging_face_init_weights_and_peft_lora_get_their_eager_values():
 
 
 def test_what_cannot_be_replayed_is_named_before_anything_is_materialised():
-    class CopiesAParameter(nn.Module):
+    class CopiesAMetaTensor(nn.Module):
         def __init__(self):
             super().__init__()
             self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
             self.unset = nn.Parameter(torch.empty(3))
             with torch.no_grad():
-                self.b.weight.copy_(self.a.weight)
+                self.b.weight.copy_(torch.empty(4, 4, device="meta"))
 
     with empty_parameters():
-        model = CopiesAParameter()
+        model = CopiesAMetaTensor()
     found = unreplayable(model)
     assert set(found) == {"b.weight", "unset"}
     assert "another meta tensor" in found["b.weight"] and found["unset"] == "nothing sets its value"
+
+
+class ReadsOtherParameters(nn.Module):
+    """Construction that reads parameter values: one weight drawn with another's std, a copy of another
+    parameter, a bias from arithmetic on one, a buffer copied from one, a weight replaced whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        nn.init.normal_(self.b.weight, std=self.a.weight.std().item())
+        self.register_buffer("row", torch.zeros(8))
+        with torch.no_grad():
+            self.c.weight.copy_(self.a.weight)
+            self.b.bias.copy_(self.a.bias * 2 + self.c.bias.mean())
+            self.row.copy_(self.b.weight[0])
+        self.c.bias.data = torch.ones(8) * self.a.weight.abs().max()
+
+
+def test_construction_that_reads_parameter_values_gets_its_eager_values():
+    eager, meta = _eager_and_meta(ReadsOtherParameters)
+    _assert_same(eager, meta)
+    assert torch.equal(meta.row, eager.row)
+
+
+def test_a_read_of_a_value_not_known_before_materialisation_is_refused_at_construction():
+    from lightning_parallel.errors import MetaConstructionError
+
+    class ReadsADrawOnMeta(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8, device="meta")  # drawn only when materialised, with the module's seed
+            self.b = nn.Linear(8, 8)
+            nn.init.normal_(self.b.weight, std=self.a.weight.std().item())
+
+    with empty_parameters(), pytest.raises(MetaConstructionError) as refused:
+        ReadsADrawOnMeta()
+    message = str(refused.value)
+    assert "std() in __init__" in message and "made on the meta device" in message
+    assert "empty_init=False" in message and "init=host" in message
 
 
 def test_a_deep_copy_keeps_what_construction_recorded():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from typing import Optional
 
 import lightning as L
 import pytest
@@ -38,9 +39,10 @@ def folder(tmp_path_factory) -> str:
 class FineTune(L.LightningModule):
     """A plain fine-tuning module: the pretrained model loaded where ``where`` says."""
 
-    def __init__(self, folder: str, where: str = "init", lr: float = 1e-3, lora: bool = False):
+    def __init__(self, folder: str, where: str = "init", lr: float = 1e-3, lora: bool = False,
+                 tokens: Optional[int] = None):
         super().__init__()
-        self.folder, self.where, self.lr, self.lora = folder, where, lr, lora
+        self.folder, self.where, self.lr, self.lora, self.tokens = folder, where, lr, lora, tokens
         if where == "init":
             self.model = self._load()
         elif where == "state_dict":  # built from the config, then the file's tensors loaded into it
@@ -52,6 +54,8 @@ class FineTune(L.LightningModule):
 
     def _load(self):
         model = transformers.AutoModelForCausalLM.from_pretrained(self.folder)
+        if self.tokens is not None:  # new special tokens: rows drawn from the old rows' mean and covariance
+            model.resize_token_embeddings(self.tokens)
         if self.lora:
             config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"])
             model = peft.get_peft_model(model, config)
@@ -244,3 +248,60 @@ def test_from_pretrained_on_meta_gives_the_files_weights(kind, tmp_path):
         assert torch.equal(value, expected[name]), name
     if kind == "tied":
         assert meta.lm_head.weight is meta.model.embed_tokens.weight
+
+
+def _resized(folder: str, tokens: int):
+    def build():
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+        model.resize_token_embeddings(tokens)
+        return model
+    return build
+
+
+def _tied_after_loading(folder: str):
+    def build():
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
+        return model
+    return build
+
+
+@pytest.mark.parametrize("kind", ["grown", "grown_tied", "shrunk", "tie_weights"])
+def test_tokens_added_and_weights_tied_after_from_pretrained_on_meta_give_eager_values(kind, tmp_path):
+    """Mean resizing reads the old rows and draws the new ones: on meta the values are read on demand
+    and the draws made as in eager construction, so the result is bit for bit eager's, and the generator
+    continues as after an eager build."""
+    from lightning_parallel.strategy.materialize import (
+        UnsplitModel,
+        empty_parameters,
+        materialize,
+    )
+
+    transformers.logging.set_verbosity_error()
+    folder = save_tiny_llama(tmp_path, vocab=VOCAB, tied=kind == "grown_tied")
+    build = _tied_after_loading(folder) if kind == "tie_weights" else _resized(folder, 120 if kind == "shrunk" else 131)
+    torch.manual_seed(0)
+    eager = build()
+    after_eager = torch.rand(4)
+    torch.manual_seed(0)
+    with empty_parameters():
+        meta = build()
+    assert torch.equal(torch.rand(4), after_eager)
+    materialize(meta, UnsplitModel.of(meta), 0, 1, torch.device("cpu"), 0)
+    expected = dict(eager.named_parameters(remove_duplicate=False))
+    for name, value in meta.named_parameters(remove_duplicate=False):
+        assert value.shape == expected[name].shape and torch.equal(value, expected[name]), name
+    assert (meta.lm_head.weight is meta.model.embed_tokens.weight) == (kind in ("grown_tied", "tie_weights"))
+
+
+@pytest.mark.timeout(300)
+def test_tokens_added_after_from_pretrained_on_meta_train_like_one_device(folder, tmp_path):
+    """resize_token_embeddings(131) after from_pretrained, under empty_init at TP2 (131 rows do not divide
+    by 2: the vocabulary-parallel embedding and head pad them) and PP2, against one device built plainly
+    with the same seed. The values are eager construction's bit for bit (test above), so the float32
+    parity bound holds: losses to 1e-5."""
+    args = dict(folder=folder, tokens=131)
+    expected = _fit(tmp_path, args)[0]["losses"]
+    for layout in ("tp2", "pp2"):
+        _assert_losses(_fit(tmp_path, args, DEVICES[layout], True, **LAYOUTS[layout]), expected)
