@@ -112,3 +112,4 @@ def test_zero3_shard2_on_4_ranks_with_accumulation_and_clipping_matches_single_d
     for name, (_, shape) in held[0]["held"].items():
         assert held[0]["held"][name][0] + held[1]["held"][name][0] == shape.numel(), name
         assert [h["held"][name][0] for h in held[2:]] == [h["held"][name][0] for h in held[:2]], name
+
