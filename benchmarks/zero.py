@@ -11,7 +11,9 @@ For each layout the unchanged default GPT (AdamW) trains a few steps; every rank
   caching or fragmentation.
 The largest rank's figures are printed, with their ratio to one rank's; the ``pp2`` rows split the
 model into 2 pipeline stages of 4 micro-batches, where ZeRO-3 keeps a stage gathered through the
-step (``FullySharded(keep_gathered=True)``). Then steps per second of
+step (``FullySharded(keep_gathered=True)``); the ``hsdp2`` rows shard over runs of 2 replicas and
+replicate across them (``zero_shard_size=2``: a rank holds what ZeRO over 2 ranks holds, whatever
+the number of replicas). Then steps per second of
 ZeRO-2 and ZeRO-3 on 2 ranks, on the GPT and on the ResNet-50-shaped module of ``tests/helpers/resnet.py``,
 median of ``--repeats`` runs (timed after the measured step), with the processor time the two ranks
 spent per step: on a machine shared with other work, steps per second vary from run to run by up to
@@ -24,7 +26,8 @@ CPU the peer is Lightning's ``ModelParallelStrategy``, whose ``configure_model``
 ``fully_shard`` (FSDP2) by hand (``reshard_after_forward`` True beside ZeRO-3, False beside ZeRO-2).
 
 Each measurement runs in processes of its own (Lightning launches the ranks as ``torchrun`` would).
-Run: ``python benchmarks/zero.py [--ranks 1 2 4 8] [--repeats 3] [--steps 8]``.
+Run: ``python benchmarks/zero.py [--ranks 1 2 4 8] [--repeats 3] [--steps 8] [--layouts zero0 zero3 ...]``
+(``--repeats 0``: memory only).
 """
 
 from __future__ import annotations
@@ -55,10 +58,12 @@ from lightning_parallel.models.gpt import GPT, Block  # noqa: E402
 from tests.helpers.resnet import Bottleneck, ResNet, image_data  # noqa: E402
 
 MODELS = {"gpt": (GPT, Block), "resnet": (ResNet, Bottleneck)}
-# name -> (our zero stage, or None for the peer; the peer's resharding after forward; pipeline stages)
-LAYOUTS = {"zero0": (0, None, 1), "zero1": (1, None, 1), "zero2": (2, None, 1), "zero3": (3, None, 1),
-           "peer-grad-op": (None, False, 1), "peer-full-shard": (None, True, 1),
-           "pp2 zero1": (1, None, 2), "pp2 zero3": (3, None, 2)}
+# name -> (our zero stage, or None for the peer; the peer's resharding after forward; pipeline stages;
+# the replicas that shard the parameters under hybrid sharding, or None for all)
+LAYOUTS = {"zero0": (0, None, 1, None), "zero1": (1, None, 1, None), "zero2": (2, None, 1, None),
+           "zero3": (3, None, 1, None), "hsdp2 zero2": (2, None, 1, 2), "hsdp2 zero3": (3, None, 1, 2),
+           "peer-grad-op": (None, False, 1, None), "peer-full-shard": (None, True, 1, None),
+           "pp2 zero1": (1, None, 2, None), "pp2 zero3": (3, None, 2, None)}
 
 
 class LiveBytes(TorchDispatchMode):
@@ -177,13 +182,13 @@ def run_one(args) -> None:
     """One measurement; Lightning starts the other ranks by running this command again."""
     torch.set_num_threads(1)
     model_cls, unit = MODELS[args.model]
-    stage, reshard, pp = LAYOUTS[args.layout]
+    stage, reshard, pp, shard = LAYOUTS[args.layout]
     cuda = torch.cuda.device_count() >= args.world
     if args.world == 1:
         strategy = "auto"
     elif stage is not None:
         strategy = ParallelStrategy(data_parallel=args.world // pp, pipeline_parallel=pp, zero_stage=stage,
-                                    micro_batches=4 if pp > 1 else None)
+                                    zero_shard_size=shard, micro_batches=4 if pp > 1 else None)
     elif cuda:
         strategy = FSDPStrategy(auto_wrap_policy={unit}, sharding_strategy="FULL_SHARD" if reshard else "SHARD_GRAD_OP")
     else:
@@ -219,6 +224,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2, help="steps before the measured one")
     parser.add_argument("--batch-size", type=int, default=8, help="per rank")
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS, help="memory rows to measure")
     parser.add_argument("--run", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="gpt", choices=MODELS, help=argparse.SUPPRESS)
     parser.add_argument("--layout", default="zero3", choices=LAYOUTS, help=argparse.SUPPRESS)
@@ -238,16 +244,19 @@ def main() -> None:
     worlds = [w for w in args.ranks if w > 1]
     print("largest rank, MiB (x one rank's)\n" + f"{'layout':<16}"
           + "".join(f"{f'{w} ranks: state':>22}{'peak':>18}" for w in worlds))
-    for layout in LAYOUTS:
+    for layout in args.layouts:
         cells = []
         for world in worlds:
-            if LAYOUTS[layout][2] * 2 > world:  # pipelined only where two replicas remain
+            _, _, pp, shard = LAYOUTS[layout]
+            if pp * 2 > world or pp * (shard or 1) >= world:  # two replicas remain, two shard groups under HSDP
                 cells.append(f"{'':>22}{'':>18}")
                 continue
             ranks = measure("gpt", layout, world, args.warmup + 1, args.warmup, args.batch_size)
             state, peak = max(r["state"] for r in ranks), max(r["peak"] for r in ranks)
             cells.append(f"{state / 2**20:>14.2f} ({state / one['state']:.2f}){peak / 2**20:>11.2f} ({peak / one['peak']:.2f})")
         print(f"{layout:<16}" + "".join(cells), flush=True)
+    if not args.repeats:
+        return
     print(f"\n2 ranks, median of {args.repeats} runs of {args.steps - args.warmup - 1} timed steps: steps/s, and "
           "processor ms per step (both ranks)")
     pairs = (("zero2", "peer-grad-op"), ("zero3", "peer-full-shard"))

@@ -25,6 +25,14 @@ their gradients are averaged there::
 
     dp ranks 0 1 2 3, ep=2:  EP groups [0 1] [2 3]   expert-data-parallel groups [0 2] [1 3]
 
+Hybrid sharding (HSDP, ``zero_shard_size``) cuts the DP ranks the same way: runs of ``zero_shard_size``
+consecutive replicas shard the parameters among themselves under ZeRO-2/3 (the "dp_shard" groups:
+those of one node when a node holds that many replicas) and the runs replicate one another (the
+"dp_replicate" groups). ``zero_mesh`` is the DeviceMesh FSDP2 shards over: the ``dp`` dimension, or
+the 2-D ``(dp_replicate, dp_shard)`` mesh of this rank's replicas::
+
+    dp ranks 0 1 2 3, zero_shard_size=2:  dp_shard groups [0 1] [2 3]   dp_replicate groups [0 2] [1 3]
+
 How the groups are created depends on the backend, so that a rank's cost does not grow with the world:
 
 - NCCL with a device bound at ``init_process_group`` (the strategy binds one on GPUs): a new group's
@@ -35,7 +43,7 @@ How the groups are created depends on the backend, so that a rank's cost does no
   1,088 on each of 4,096 ranks for ``tp=8, pp=8``. Instead each rank creates only the three groups it
   is in (``new_group(..., use_local_synchronization=True)``) and wraps them with ``DeviceMesh.from_group``:
   the same mesh, three calls (four with CP, five with its DP x CP group, two more for the EP and
-  expert-data-parallel groups) whatever the world size.
+  expert-data-parallel groups, two for HSDP's) whatever the world size.
 """
 
 from __future__ import annotations
@@ -88,6 +96,8 @@ class ParallelMesh:
         context_parallel: ranks that split each sequence of a replica's batch (``context_parallel/``).
         expert_parallel: data-parallel ranks that hold different experts of each MoE layer
             (``expert_parallel/``); must divide ``data_parallel``.
+        zero_shard_size: data-parallel ranks that shard the parameters among themselves under ZeRO-2/3
+            (HSDP); must divide ``data_parallel``; None: all of them.
     """
 
     world_size: int
@@ -96,10 +106,12 @@ class ParallelMesh:
     data_parallel: Union[int, str] = "auto"
     context_parallel: int = 1
     expert_parallel: int = 1
+    zero_shard_size: Optional[int] = None
     _device_mesh: Optional[DeviceMesh] = field(default=None, init=False, repr=False)
     _dp_cp_group: Optional[dist.ProcessGroup] = field(default=None, init=False, repr=False)
     _ep_group: Optional[dist.ProcessGroup] = field(default=None, init=False, repr=False)
     _edp_group: Optional[dist.ProcessGroup] = field(default=None, init=False, repr=False)
+    _hybrid_mesh: Optional[DeviceMesh] = field(default=None, init=False, repr=False)
     rank: Optional[int] = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -132,6 +144,13 @@ class ParallelMesh:
             raise MeshError(
                 f"expert_parallel={e} does not divide data_parallel={d}: expert-parallel groups are carved from "
                 f"the data-parallel replicas. Use expert_parallel in ({fitting}), or data_parallel a multiple of {e}."
+            )
+        n = self.zero_shard_size
+        if n is not None and (not isinstance(n, int) or n < 1 or d % n):
+            fitting = ", ".join(str(k) for k in _divisors(d))
+            raise MeshError(
+                f"zero_shard_size={n} does not divide data_parallel={d}: the parameters are sharded over runs of "
+                f"zero_shard_size replicas. Use zero_shard_size in ({fitting}), or data_parallel a multiple of {n}."
             )
 
     def _suggestion(self) -> str:
@@ -171,6 +190,21 @@ class ParallelMesh:
     def edp_size(self) -> int:
         """Replicas of each expert: the data-parallel ranks over which its gradients are averaged."""
         return self.dp_size // self.ep_size
+
+    @property
+    def dp_shard_size(self) -> int:
+        """Data-parallel ranks over which ZeRO-2/3 shard the parameters (``zero_shard_size``, or all)."""
+        return self.zero_shard_size or self.dp_size
+
+    @property
+    def dp_replicate_size(self) -> int:
+        """Runs of ``dp_shard_size`` replicas that hold the same shards (1 without hybrid sharding)."""
+        return self.dp_size // self.dp_shard_size
+
+    @property
+    def is_hybrid_sharded(self) -> bool:
+        """Whether ZeRO-2/3 shard over runs of the data-parallel ranks and replicate across them (HSDP)."""
+        return self.dp_replicate_size > 1
 
     @property
     def dims(self) -> tuple[str, ...]:
@@ -227,6 +261,16 @@ class ParallelMesh:
         firsts = [r for r in range(self.world_size) if self.coords(r).edp == 0]
         return [self.group_ranks("edp", r) for r in firsts]
 
+    def dp_shard_groups(self) -> list[list[int]]:
+        """All HSDP shard groups: runs of ``dp_shard_size`` consecutive DP replicas of one (pp, cp, tp)."""
+        firsts = [r for r in range(self.world_size) if self.coords(r).dp % self.dp_shard_size == 0]
+        return [self.group_ranks("dp_shard", r) for r in firsts]
+
+    def dp_replicate_groups(self) -> list[list[int]]:
+        """All HSDP replicate groups: the DP replicas at the same place of every shard group."""
+        firsts = [r for r in range(self.world_size) if self.coords(r).dp < self.dp_shard_size]
+        return [self.group_ranks("dp_replicate", r) for r in firsts]
+
     def describe(self, devices_per_node: Optional[int] = None) -> str:
         """A human-readable table of every rank's coordinates (and node, when known)."""
         cp = f" x cp={self.cp_size}" if self.cp_size > 1 else ""
@@ -242,6 +286,9 @@ class ParallelMesh:
         if self.ep_size > 1:
             lines.append("  ep groups: " + " ".join(str(g) for g in self.ep_groups()))
             lines.append("  expert dp groups: " + " ".join(str(g) for g in self.edp_groups()))
+        if self.is_hybrid_sharded:
+            lines.append("  zero shard groups: " + " ".join(str(g) for g in self.dp_shard_groups()))
+            lines.append("  zero replicate groups: " + " ".join(str(g) for g in self.dp_replicate_groups()))
         return "\n".join(lines)
 
     # ---- process groups -----------------------------------------------------------------------
@@ -265,6 +312,9 @@ class ParallelMesh:
             if self.ep_size > 1:
                 self._ep_group = dist.split_group(split_ranks=self.ep_groups())
                 self._edp_group = dist.split_group(split_ranks=self.edp_groups())
+            if self.is_hybrid_sharded:
+                self._hybrid_mesh = self._dp_mesh(dist.split_group(split_ranks=self.dp_replicate_groups()),
+                                                  dist.split_group(split_ranks=self.dp_shard_groups()), device_type)
             return self
         # the same order on every rank, so the groups' barriers cannot wait on each other
         groups = [self.subgroup(self.group_ranks(kind, rank)) for kind in names]
@@ -275,11 +325,20 @@ class ParallelMesh:
         if self.ep_size > 1:
             self._ep_group = self.subgroup(self.group_ranks("ep", rank))
             self._edp_group = self.subgroup(self.group_ranks("edp", rank))
+        if self.is_hybrid_sharded:
+            self._hybrid_mesh = self._dp_mesh(self.subgroup(self.group_ranks("dp_replicate", rank)),
+                                              self.subgroup(self.group_ranks("dp_shard", rank)), device_type)
         return self
 
+    def _dp_mesh(self, replicate: dist.ProcessGroup, shard: dist.ProcessGroup, device_type: str) -> DeviceMesh:
+        """The 2-D ``(dp_replicate, dp_shard)`` DeviceMesh of this rank's DP replicas, over the two groups."""
+        layout = torch.tensor(self.group_ranks("dp", self.rank)).view(self.dp_replicate_size, self.dp_shard_size)
+        return DeviceMesh.from_group([replicate, shard], device_type, mesh=layout,
+                                     mesh_dim_names=("dp_replicate", "dp_shard"))
+
     def group_ranks(self, kind: str, rank: int) -> list[int]:
-        """The ranks of ``rank``'s ``kind`` group (``"tp"``, ``"dp"``, ``"cp"``, ``"pp"``, ``"dp_cp"``, ``"ep"``
-        or ``"edp"``), in O(group size)."""
+        """The ranks of ``rank``'s ``kind`` group (``"tp"``, ``"dp"``, ``"cp"``, ``"pp"``, ``"dp_cp"``, ``"ep"``,
+        ``"edp"``, ``"dp_shard"`` or ``"dp_replicate"``), in O(group size)."""
         c = self.coords(rank)
         if kind == "tp":
             return [self.rank_of(c.pp, c.dp, t, c.cp) for t in range(self.tp_size)]
@@ -291,12 +350,19 @@ class ParallelMesh:
             return [self.rank_of(p, c.dp, c.tp, c.cp) for p in range(self.pp_size)]
         if kind == "dp_cp":
             return [self.rank_of(c.pp, d, c.tp, k) for d in range(self.dp_size) for k in range(self.cp_size)]
+        if kind == "dp_shard":
+            first = c.dp - c.dp % self.dp_shard_size
+            return [self.rank_of(c.pp, first + k, c.tp, c.cp) for k in range(self.dp_shard_size)]
+        if kind == "dp_replicate":
+            at = c.dp % self.dp_shard_size
+            return [self.rank_of(c.pp, at + k * self.dp_shard_size, c.tp, c.cp) for k in range(self.dp_replicate_size)]
         if kind == "ep":
             first = c.edp * self.ep_size
             return [self.rank_of(c.pp, first + e, c.tp, c.cp) for e in range(self.ep_size)]
         if kind == "edp":
             return [self.rank_of(c.pp, c.ep + k * self.ep_size, c.tp, c.cp) for k in range(self.edp_size)]
-        raise ValueError(f"unknown group kind {kind!r}; use 'tp', 'dp', 'cp', 'pp', 'dp_cp', 'ep' or 'edp'")
+        raise ValueError(f"unknown group kind {kind!r}; use 'tp', 'dp', 'cp', 'pp', 'dp_cp', 'ep', 'edp', "
+                         "'dp_shard' or 'dp_replicate'")
 
     @staticmethod
     def subgroup(ranks: Sequence[int]) -> dist.ProcessGroup:
@@ -342,6 +408,18 @@ class ParallelMesh:
         if self._device_mesh is None:
             raise RuntimeError("ParallelMesh.init_process_groups() has not been called on this rank")
         return self._device_mesh
+
+    @property
+    def zero_mesh(self) -> DeviceMesh:
+        """The DeviceMesh ZeRO-2/3 shard over: the ``dp`` dimension, or under hybrid sharding the 2-D
+        ``(dp_replicate, dp_shard)`` mesh of this rank's replicas (FSDP2 then shards over ``dp_shard``
+        and replicates over ``dp_replicate``)."""
+        return self._hybrid_mesh if self.is_hybrid_sharded else self.device_mesh["dp"]
+
+    @property
+    def zero_shard_group(self) -> dist.ProcessGroup:
+        """The replicas holding disjoint shards under ZeRO-2/3: the ``dp_shard`` group, or the DP group."""
+        return self.zero_mesh.get_group("dp_shard") if self.is_hybrid_sharded else self.dp_group
 
     @property
     def tp_group(self) -> dist.ProcessGroup:

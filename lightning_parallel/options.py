@@ -96,6 +96,14 @@ class ParallelOptions:
     every rank keeps 1/dp of the parameters between steps (``data_parallel/fully_sharded.py``).
     ``"auto"``: the planner chooses."""
 
+    zero_shard_size: Optional[int] = None
+    """Under ZeRO-2/3, the data-parallel ranks that shard the parameters among themselves (HSDP, hybrid
+    sharding: Zhao et al. 2023, "PyTorch FSDP", arXiv 2304.11277 §3.2.2): runs of this many consecutive
+    replicas (the replicas of one node, say) each keep ``1/zero_shard_size`` of the parameters,
+    gradients and optimizer state, and the runs are replicas of one another; gradients are
+    reduce-scattered inside a run and all-reduced across runs. Must divide ``data_parallel``; None
+    shards over all of them (plain ZeRO-2/3)."""
+
     broadcast_buffers: bool = True
     """As DDP's: before a forward that follows one that synchronised gradients, the data-parallel
     replicas receive the first replica's buffers (BatchNorm's running statistics), so all of them
@@ -139,11 +147,29 @@ class ParallelOptions:
                 f"context_parallel={self.context_parallel} ranks hold the same parameters and need their gradients "
                 "averaged too; with context parallelism use zero_stage=1 (optimizer state sharded over DP x CP), "
                 "or zero_stage=2/3 without it")
+        self._check_shard_size()
         if self.tp_plan is not None:
             set_(self, "tp_plan", dict(self.tp_plan))
         if self.pipeline_layout is not None:
             set_(self, "pipeline_layout", tuple(int(n) for n in self.pipeline_layout))
         set_(self, "searched", tuple(name for name in SEARCHED if getattr(self, name) == AUTO))
+
+    def _check_shard_size(self) -> None:
+        """``zero_shard_size`` is a positive size, and shards parameters (ZeRO-2/3); that it divides the
+        data-parallel size is checked where that size is known (``checks/launch.py``)."""
+        size = self.zero_shard_size
+        if size is None:
+            return
+        if isinstance(size, str) and size.isdigit():
+            object.__setattr__(self, "zero_shard_size", size := int(size))
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigurationError(f"zero_shard_size must be a positive integer (data-parallel ranks that shard "
+                                     f"the parameters among themselves) or None, got {size!r}")
+        if self.zero_stage not in (2, 3, AUTO):
+            raise ConfigurationError(
+                f"zero_shard_size={size} shards parameters over groups of {size} data-parallel ranks, which only "
+                f"ZeRO-2/3 do, but zero_stage={self.zero_stage}; use zero_stage=3 (or 2) with zero_shard_size={size}, "
+                "or leave zero_shard_size unset (None)")
 
     def _refuse_with_experts(self) -> None:
         """Expert parallelism composes with data and tensor parallelism only (so far)."""
@@ -217,7 +243,8 @@ class ParallelOptions:
     @property
     def mesh_sizes(self) -> dict[str, Union[int, str]]:
         return {"tensor_parallel": self.tp, "pipeline_parallel": self.pp, "data_parallel": self.data_parallel,
-                "context_parallel": self.cp, "expert_parallel": self.ep}
+                "context_parallel": self.cp, "expert_parallel": self.ep,
+                "zero_shard_size": self.zero_shard_size if self.shards_parameters else None}
 
     def replace(self, **changes: Any) -> "ParallelOptions":
         """A copy with ``changes`` (validated again)."""

@@ -7,7 +7,8 @@ Three kinds of mistakes, each refused with the settings that would fix it (``err
 2. the layout's ``data x tensor x pipeline x context`` product is not the number of processes, a
    tensor parallel group would span two nodes (TP groups are runs of consecutive ranks, see mesh.py,
    and need the fast intra-node links: Narayanan et al. 2021, arXiv 2104.04473 §3.3), or context
-   parallelism is combined with pipelining (not supported);
+   parallelism is combined with pipelining (not supported), or ``zero_shard_size`` does not divide
+   the data-parallel replicas;
 3. the model cannot be split as asked: heads, hidden or vocabulary not divisible by the TP size,
    a plan that names no module or an unknown style, fewer blocks than pipeline stages, no block list
    or no ``sdpa`` attention to split the sequence over;
@@ -141,6 +142,8 @@ def check_layout(options: ParallelOptions, num_nodes: int, devices_per_node: int
         )
     if options.ep > 1:
         return _with_experts(mesh, options.ep)
+    if options.shards_parameters and options.zero_shard_size is not None:
+        return _with_shard_size(mesh, options.zero_shard_size, devices_per_node)
     return mesh
 
 
@@ -155,6 +158,23 @@ def _with_experts(mesh: ParallelMesh, ep: int) -> ParallelMesh:
             f", or launch a multiple of {ep} replicas" + (":" if fitting else "."),
             [Fix({"strategy.expert_parallel": max(fitting)})] if fitting else [])
     return replace(mesh, data_parallel=dp, expert_parallel=ep)
+
+
+def _with_shard_size(mesh: ParallelMesh, size: int, devices_per_node: int) -> ParallelMesh:
+    """``mesh`` with ZeRO-2/3 sharding over runs of ``size`` data-parallel replicas (hybrid sharding); ``size``
+    must divide them. The fix offered is the replicas one node holds, where that divides them."""
+    dp = mesh.dp_size
+    if dp % size:
+        fitting = divisors(dp)
+        split = mesh.tp_size * mesh.cp_size
+        per_node = devices_per_node // split if devices_per_node % split == 0 else 0  # replicas in one node
+        best = per_node if per_node in fitting else max(k for k in fitting if k <= size)
+        raise LaunchError(
+            f"zero_shard_size={size} does not divide data_parallel={dp}: the parameters are sharded over runs of "
+            f"zero_shard_size data-parallel replicas, replicated across the runs. Use zero_shard_size in "
+            f"({', '.join(map(str, fitting))}) ({dp} shards over every replica, as without it), e.g.",
+            [Fix({"strategy.zero_shard_size": best})])
+    return replace(mesh, zero_shard_size=size)
 
 
 def validate_launch(

@@ -126,6 +126,7 @@ def build_plan(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> LaunchPl
             micro_batches, options.schedule_name, options.sequence_parallel,
             cfg.trainer.precision, zero_stage=options.zero, dp=mesh.dp_size * mesh.cp_size,
             context_parallel=mesh.cp_size, params=held_with_experts(model, stages, sharded, mesh),
+            zero_shard_size=mesh.zero_shard_size,
         )
     accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1))
     return LaunchPlan(

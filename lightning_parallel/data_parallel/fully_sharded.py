@@ -31,6 +31,14 @@ are gathered at its first forward of the step and kept, gradients accumulate who
 reduce-scatters them once (torchtitan's choice with pipelining). Memory during a step is then
 ZeRO-1's (the stage's whole parameters and gradients), between steps stage 3's.
 
+**Hybrid sharding** (HSDP; Zhao et al. 2023, §3.2.2): over the 2-D ``(dp_replicate, dp_shard)`` mesh
+(``mesh.ParallelMesh.zero_mesh``) FSDP2 shards every parameter over ``dp_shard`` alone and keeps the same
+rows on every ``dp_replicate`` peer: a rank keeps ``1/dp_shard`` of the parameters, the all-gathers stay
+inside a shard group (a node), and a unit's gradients are reduce-scattered inside the shard group, then
+all-reduced across the replicate group (``1/dp_shard`` of the bytes of a whole all-reduce crossing
+nodes), averaged over all ``dp`` replicas. The helpers below read a DTensor's shards from the mesh
+dimension its placement shards over, so they serve both meshes.
+
 **Parameters no replica used.** FSDP2 reduce-scatters a unit's gradients as one buffer, so every
 replica sends every parameter (zeros where it had no gradient); a flag per parameter, summed over
 the replicas with one small all-reduce per step, then gives ``grad=None`` to a parameter no replica
@@ -68,11 +76,18 @@ def shard_rows(rows: int, replicas: int, rank: int) -> tuple[int, int]:
     return start, min(rows, start + per_rank) - start
 
 
+def shard_coordinate(like: DTensor) -> tuple[int, int]:
+    """``(shards, this rank's shard)`` of a DTensor sharded by rows over one dimension of its mesh (the
+    ``dp`` mesh, or HSDP's ``dp_shard`` dimension; it is replicated over any other)."""
+    mesh = like.device_mesh
+    dim = next(i for i, placement in enumerate(like.placements) if placement.is_shard())
+    return mesh.size(dim), mesh.get_local_rank(dim)
+
+
 def local_slice(param: DTensor) -> tuple[int, int]:
     """``(begin, length)`` of the elements of the flattened whole tensor that this rank's shard of
     ``param`` holds (its rows are consecutive in row-major order)."""
-    mesh = param.device_mesh
-    start, count = shard_rows(param.shape[0], mesh.size(), mesh.get_local_rank())
+    start, count = shard_rows(param.shape[0], *shard_coordinate(param))
     per_row = param[0].numel() if param.dim() > 1 else 1
     return start * per_row, count * per_row
 
@@ -80,22 +95,21 @@ def local_slice(param: DTensor) -> tuple[int, int]:
 def rows_of(rows: torch.Tensor, like: DTensor) -> DTensor:
     """The DTensor sharded as ``like`` whose local part is ``rows``: this rank's rows (flat or shaped), on
     ``like``'s device (where ``rows`` are when ``like`` is still on the meta device)."""
-    mesh = like.device_mesh
-    _, count = shard_rows(like.shape[0], mesh.size(), mesh.get_local_rank())
+    _, count = shard_rows(like.shape[0], *shard_coordinate(like))
     local = rows.reshape(count, *like.shape[1:]).to(rows.device if like.is_meta else like.device)
-    return DTensor.from_local(local, mesh, like.placements, shape=like.shape, stride=like.stride(), run_check=False)
+    return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride(), run_check=False)
 
 
 def sharded_like(value: torch.Tensor, like: DTensor) -> DTensor:
     """The DTensor that shards ``value`` (a whole tensor shaped like ``like``) as ``like`` is sharded;
     only this rank's rows are copied."""
-    mesh = like.device_mesh
-    start, count = shard_rows(value.shape[0], mesh.size(), mesh.get_local_rank())
+    start, count = shard_rows(value.shape[0], *shard_coordinate(like))
     return rows_of(value.narrow(0, start, count).clone(), like)
 
 
 class FullySharded:
-    """ZeRO stage 2 or 3 of ``module`` over the 1-D data-parallel ``mesh``.
+    """ZeRO stage 2 or 3 of ``module`` over the data-parallel ``mesh``: 1-D (shard over every replica) or
+    the 2-D ``(dp_replicate, dp_shard)`` mesh of hybrid sharding.
 
     Args:
         module: the (possibly TP-split, pipeline-partitioned) LightningModule; on the meta device or
@@ -197,7 +211,8 @@ class FullySharded:
             return
         used = torch.tensor([p in self._used for p in self._params], dtype=torch.int32,
                             device=self._params[0].sharded_param.device)
-        dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.mesh.get_group())
+        for dim in range(self.mesh.ndim):  # over every replica: both dimensions of a hybrid mesh
+            dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.mesh.get_group(dim))
         for fsdp_param, anywhere in zip(self._params, used.tolist()):
             if not anywhere:
                 fsdp_param.sharded_param.grad = None

@@ -49,7 +49,7 @@ def constraints(options: ParallelOptions) -> Constraints:
     return Constraints(
         tp=fixed("tensor_parallel"), pp=fixed("pipeline_parallel"), dp=None if dp == AUTO else dp,
         micro_batches=options.micro_batches, schedule=fixed("schedule"), virtual_stages=fixed("virtual_stages"),
-        zero=None if zero is None else int(zero),
+        zero=None if zero is None else int(zero), zero_shard=options.zero_shard_size,
         recompute=(False,),  # the strategy does not add activation checkpointing to a model
         cp=options.cp, ep=options.ep,
     )

@@ -24,9 +24,11 @@ attention overlaps them). Expert parallelism adds four all-to-alls per MoE layer
 (``experts.py``), not overlapped either. The data-parallel gradient all-reduce over the DP and CP ranks (with ZeRO
 a reduce-scatter and all-gathers: the same bytes at stages 1 and 2, 1.5x at stage 3 without
 pipelining, which gathers every block twice) follows the pipeline flush with no overlap credited,
-which is exact for a contended CPU and an upper bound on a GPU. The optimizer step updates the
-parameters a device holds (a ``1 / (DP x CP)`` share under ZeRO) at the calibrated
-AdamW rate. When the
+which is exact for a contended CPU and an upper bound on a GPU. Under hybrid sharding (``zero_shard``
+replicas per shard group) those collectives run inside the shard group, and the shard's gradients
+(``1 / zero_shard`` of them) are all-reduced across the groups. The optimizer step updates the
+parameters a device holds (a ``1 / (DP x CP)`` share under ZeRO, ``1 / zero_shard`` under hybrid
+sharding) at the calibrated AdamW rate. When the
 devices are processes sharing CPU cores (``Cluster.shared_compute``) a waiting rank's core runs
 another rank, so the step is a rank's work (stages at their mean cost) and the bubble costs no time.
 Not modelled: framework overheads per micro-batch, slower matmuls for small
@@ -135,6 +137,12 @@ def _crosses_nodes(ranks: list[int], devices_per_node: int) -> bool:
     return len({r // devices_per_node for r in ranks}) > 1
 
 
+def _bandwidth(ranks: list[int], cluster: Cluster) -> float:
+    """The bandwidth of a collective over ``ranks``: across nodes when they span several."""
+    across = _crosses_nodes(ranks, cluster.devices_per_node)
+    return cluster.rates.inter_bandwidth if across else cluster.rates.intra_bandwidth
+
+
 def predict(candidate: Candidate, work: StageWork, dims: TransformerDims, cluster: Cluster, seq: int,
             precision: str) -> Prediction:
     """The step time of ``candidate``, whose split asks ``work`` (``stage_work``) of its stages; see
@@ -185,14 +193,18 @@ def predict(candidate: Candidate, work: StageWork, dims: TransformerDims, cluste
     # gather in the precision they compute in, and ZeRO-3 without pipelining twice (for the forward and
     # again for the backward): 1.5x plain DP's bytes in float32
     held = max(m.params for m in candidate.memory)
-    dp_across = _crosses_nodes(mesh.dp_cp_groups()[0], cluster.devices_per_node)
-    dp_bandwidth = rates.inter_bandwidth if dp_across else rates.intra_bandwidth
+    shards = lay.zero_shard or lay.dp * cp  # the ranks the gradients are reduce-scattered over under ZeRO
+    dp_ranks = mesh.group_ranks("dp_cp", 0)
     gathered = min(p_bytes, a_bytes) if lay.zero >= 2 else p_bytes
     gathers = 2 if lay.zero == 3 and lay.pp == 1 else 1
     dp_bytes = held * (g_bytes + gathers * gathered) / 2 if lay.zero else held * g_bytes
     buckets = math.ceil(held * g_bytes / BUCKET_BYTES)
-    dp_time, dp_through = ring_allreduce(dp_bytes, lay.dp * cp, dp_bandwidth, rates.latency * buckets)
-    optimizer = held / (lay.dp * cp if lay.zero else 1) / rates.optimizer
+    dp_time, dp_through = ring_allreduce(dp_bytes, shards, _bandwidth(dp_ranks[:shards], cluster), rates.latency * buckets)
+    if shards < lay.dp * cp:  # hybrid sharding: the shard's gradients all-reduced across the shard groups
+        across, across_through = ring_allreduce(held * g_bytes / shards, lay.dp * cp // shards,
+                                                _bandwidth(dp_ranks[::shards], cluster), rates.latency * buckets)
+        dp_time, dp_through = dp_time + across, dp_through + across_through
+    optimizer = held / (shards if lay.zero else 1) / rates.optimizer
 
     compute = per_rank * (3 * forward + recompute)
     tp_time = per_rank * (tp_forward + tp_backward + tp_recompute)

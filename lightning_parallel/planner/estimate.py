@@ -19,7 +19,9 @@ replicas) divides the optimizer state by ``dp`` from stage 1 on. From stage 2 on
 (``data_parallel/fully_sharded.py``), in the precision it computes in (bfloat16 under
 ``bf16-mixed``): at stage 2 every parameter, with one block's whole gradients at a time; at stage 3
 the parameters outside the blocks and two blocks (the one computing and the one gathered next),
-with one block's whole gradients. Under pipeline parallelism stages 2 and 3 keep the stage's
+with one block's whole gradients. Hybrid sharding (``zero_shard_size=N``) shards over runs of ``N``
+replicas instead: each rank keeps ``1/N`` of the parameters, gradients and optimizer state, the runs
+holding the same rows. Under pipeline parallelism stages 2 and 3 keep the stage's
 parameters and gradients whole through the step (ZeRO-1's peak, plus the shards). A rank keeps as many micro-batches in
 flight as the schedule simulator counts (``min(P - r, M)`` for 1F1B, ``M`` for GPipe). The last
 stage also holds the logits and their gradient in float32 (``8*s*b*V/t`` bytes). Context
@@ -183,11 +185,13 @@ def estimate_memory(
     params: list[int] | None = None,
     in_flight: list[int] | None = None,
     context_parallel: int = 1,
+    zero_shard_size: int | None = None,
 ) -> list[RankMemory]:
     """Memory per device of every pipeline rank (see the module docstring for what is counted).
 
     ``params`` (``parameters_per_rank``) and ``in_flight`` (the simulator's peak micro-batches per
-    rank) may be given by a caller that estimates many layouts of one split.
+    rank) may be given by a caller that estimates many layouts of one split. ``zero_shard_size``: the
+    replicas ZeRO-2/3 shard over (HSDP), None for all ``dp`` of them.
     """
     p_bytes, g_bytes, o_bytes, a_bytes = precision_bytes(precision)
     if params is None:
@@ -196,6 +200,8 @@ def estimate_memory(
     if in_flight is None:
         in_flight = [1] if pp == 1 else simulate(all_ranks(schedule, pp, micro_batches, virtual)).peak_in_flight
     dims = transformer_dims(model)
+    shards = zero_shard_size if zero_stage >= 2 and zero_shard_size else dp  # the replicas ZeRO-2/3 shard over
+    optimizer_shards = shards if zero_stage else 1
     result = []
     for rank in range(pp):
         rank_stages = stages.stages_of_rank(rank)
@@ -216,8 +222,8 @@ def estimate_memory(
                 act += 8 * seq * micro_batch * dims.vocab / tp
         n = params[rank]
         param_bytes, grad_bytes = _zero_peak(n, _block_elements(model, stages, blocks, tp_sharded, tp), zero_stage,
-                                             dp, pp > 1, p_bytes, g_bytes, min(p_bytes, a_bytes))
-        result.append(RankMemory(rank, blocks, n, param_bytes, grad_bytes, n * o_bytes / (dp if zero_stage else 1),
+                                             shards, pp > 1, p_bytes, g_bytes, min(p_bytes, a_bytes))
+        result.append(RankMemory(rank, blocks, n, param_bytes, grad_bytes, n * o_bytes / optimizer_shards,
                                  act, in_flight[rank]))
     return result
 

@@ -5,7 +5,8 @@ KV heads, vocabulary), the PP size (at most one stage per block), the CP size (1
 fix it: context parallelism is asked for, not searched, and never with pipelining), the EP size (likewise
 asked for: only without pipelining and ZeRO, a divisor of DP; the routed experts' parameters divided by
 it, ``experts.py``), DP taking the processes left, the
-micro-batches per replica batch, the pipeline schedule, ZeRO-1 on or off and activation
+micro-batches per replica batch, the pipeline schedule, the ZeRO stage (at stages 2 and 3 also hybrid
+sharding over the replicas of one node, ``zero_shard_size``, where a DP group spans nodes) and activation
 checkpointing on or off. Every schedule in ``pipeline.schedules.SCHEDULES`` is tried with one and
 with two model chunks per rank and kept where ``validate`` accepts it, so a schedule added there is
 searched without a change here. Memory per device comes from ``estimate.estimate_memory``; the
@@ -96,6 +97,7 @@ class Layout:
     recompute: bool = False
     cp: int = 1
     ep: int = 1  # expert parallelism: DP ranks holding different experts
+    zero_shard: Optional[int] = None  # ZeRO-2/3 sharded over runs of this many DP ranks (HSDP); None: all
 
     def describe(self) -> str:
         parts = [f"tp={self.tp} pp={self.pp} dp={self.dp}" + (f" cp={self.cp}" if self.cp > 1 else "")
@@ -104,7 +106,7 @@ class Layout:
             chunks = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
             parts.append(f"{self.schedule}{chunks} m={self.micro_batches}")
         if self.zero:
-            parts.append(f"zero{self.zero}")
+            parts.append(f"zero{self.zero}" + (f" shard={self.zero_shard}" if self.zero_shard else ""))
         if self.recompute:
             parts.append("recompute")
         return " ".join(parts)
@@ -113,7 +115,8 @@ class Layout:
         """The ``ParallelStrategy`` arguments of this layout (activation checkpointing is the model's):
         every option the search may choose, so that none is left as "auto"."""
         chosen = {"tensor_parallel": self.tp, "pipeline_parallel": self.pp, "data_parallel": self.dp,
-                  "context_parallel": self.cp, "expert_parallel": self.ep, "zero_stage": self.zero, "micro_batches": None,
+                  "context_parallel": self.cp, "expert_parallel": self.ep, "zero_stage": self.zero,
+                  "zero_shard_size": self.zero_shard, "micro_batches": None,
                   "schedule": "1f1b", "virtual_stages": 1}
         if self.pp > 1:
             chosen.update(micro_batches=self.micro_batches, schedule=self.schedule, virtual_stages=self.virtual_stages)
@@ -135,6 +138,7 @@ class Constraints:
     schedule: Optional[str] = None
     virtual_stages: Optional[int] = None
     zero: Optional[int] = None
+    zero_shard: Optional[int] = None  # given: only ZeRO-2/3 over runs of that many DP ranks
     recompute: tuple[bool, ...] = (False, True)
     cp: int = 1  # context parallelism is asked for, never searched
     ep: int = 1  # so is expert parallelism (only with pp = 1 and ZeRO 0 or 1, dp a multiple of it)
@@ -241,9 +245,10 @@ def enumerate_layouts(model: nn.Module, cluster: Cluster, work: Workload,
                         held[placed] = [n - experts[tp] * (ep - 1) // ep for n in held[placed]]
                 base = Layout(tp, pp, dp, micro_batches, schedule, chunks, cp=cp, ep=ep)
                 for zero in _choices(fixed.zero, dp * cp, cp, ep):
-                    for recompute in fixed.recompute:
-                        layout = replace(base, zero=zero, recompute=recompute)
-                        found.append(_candidate(model, layout, replica_batch, split, held[placed], work))
+                    for shard in _shard_choices(zero, dp, cluster.devices_per_node // (tp * cp), fixed.zero_shard):
+                        for recompute in fixed.recompute:
+                            layout = replace(base, zero=zero, zero_shard=shard, recompute=recompute)
+                            found.append(_candidate(model, layout, replica_batch, split, held[placed], work))
     return found
 
 
@@ -257,6 +262,17 @@ def _choices(zero: Optional[int], replicas: int, cp: int, ep: int = 1) -> tuple[
         return (0,) if zero is None else tuple(s for s in (zero,) if s in (0, 1))
     stages = (0, 1) if cp > 1 else (0, 1, 2, 3)
     return stages if zero is None else tuple(s for s in (zero,) if s in stages)
+
+
+def _shard_choices(zero: int, dp: int, per_node: int, fixed: Optional[int]) -> tuple[Optional[int], ...]:
+    """Shard groups to try at ZeRO ``zero`` over ``dp`` replicas, ``per_node`` of which share a node: every
+    replica (None), and at stages 2 and 3 also the replicas of one node (HSDP) where the DP group spans
+    nodes. A size the user gave is the only choice, and only at stages 2 and 3, where it divides ``dp``."""
+    if fixed is not None:
+        return (fixed,) if zero >= 2 and dp % fixed == 0 else ()
+    if zero >= 2 and 1 < per_node < dp and dp % per_node == 0:
+        return (None, per_node)
+    return (None,)
 
 
 def _split(model: nn.Module, world: int, where: tuple[int, int, int, str], work: Workload, splits: dict,
@@ -295,7 +311,7 @@ def _candidate(model: nn.Module, layout: Layout, replica_batch: int, split, para
         work.options.sequence_parallel, work.precision, zero_stage=layout.zero, dp=layout.dp * layout.cp,
         recompute=layout.recompute, params=params,
         in_flight=peak_in_flight(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages),
-        context_parallel=layout.cp,
+        context_parallel=layout.cp, zero_shard_size=layout.zero_shard,
     ))
     return Candidate(layout, replica_batch, stages, memory)
 

@@ -9,14 +9,15 @@ of them only (Megatron-LM's ``param_is_not_tensor_parallel_duplicate`` rule, Sho
 Data-parallel replicas (and context-parallel ranks) hold identical gradients after the all-reduce,
 so no DP reduction is needed; under ZeRO each replica holds a disjoint part (ZeRO-1's slices of the
 DP x CP group, ZeRO-2/3's DTensor shards: their local parts are used), so the squared norms are
-summed over that group too. Under expert parallelism the ranks of an expert-parallel group hold
+summed over the group whose parts are disjoint: the DP x CP group, or under hybrid sharding the shard
+group alone (its replicate peers hold the same rows, which would be counted again). Under expert parallelism the ranks of an expert-parallel group hold
 different experts, so the experts' squared norms are summed over that group instead (each replica of
 an expert holds its whole gradient, even under ZeRO-1, which shards only the dense parameters' state).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ def global_grad_norm(
     params: Iterable[torch.nn.Parameter],
     mesh: ParallelMesh,
     counted_once: Callable[[torch.nn.Parameter], bool] = lambda p: True,
-    sharded_over_dp: bool = False,
+    sharded_over: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
     """The 2-norm of all gradients of the model, identical on every rank of the mesh.
 
@@ -36,7 +37,8 @@ def global_grad_norm(
         params: this rank's parameters (those without a gradient are ignored).
         mesh: the process mesh.
         counted_once: ``False`` for a local parameter whose gradient another stage also holds and counts.
-        sharded_over_dp: the parameters are disjoint parts per data-parallel rank (ZeRO-1 over DP x CP, 2, 3).
+        sharded_over: the data-parallel ranks whose parameters are disjoint parts (ZeRO-1: the DP x CP group;
+            ZeRO-2/3: ``mesh.zero_shard_group``); None: every replica holds them whole.
     """
     params = list(params)
     # [the parameters every DP rank holds (or its ZeRO part of them), the experts this rank holds]
@@ -52,8 +54,8 @@ def global_grad_norm(
     if mesh.pp_size > 1:
         dist.all_reduce(sums, group=mesh.pp_group)
     total, experts = sums[0], sums[1]
-    if sharded_over_dp and mesh.dp_cp_size > 1:
-        dist.all_reduce(total, group=mesh.dp_cp_group)
+    if sharded_over is not None and dist.get_world_size(sharded_over) > 1:
+        dist.all_reduce(total, group=sharded_over)
     if mesh.ep_size > 1:  # each expert on every replica of its EP rank: summed over the EP group only
         dist.all_reduce(experts, group=mesh.ep_group)
     return (total + experts).sqrt()
@@ -64,14 +66,14 @@ def clip_grads_by_global_norm(
     max_norm: float,
     mesh: ParallelMesh,
     counted_once: Callable[[torch.nn.Parameter], bool] = lambda p: True,
-    sharded_over_dp: bool = False,
+    sharded_over: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
     """Scale gradients so that their global norm is at most ``max_norm``; returns the norm before.
 
     Uses the same coefficient as ``torch.nn.utils.clip_grad_norm_``: ``max_norm / (norm + 1e-6)``,
     clamped to 1, so a run on one device and a split run clip identically.
     """
-    norm = global_grad_norm(params, mesh, counted_once, sharded_over_dp)
+    norm = global_grad_norm(params, mesh, counted_once, sharded_over)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:

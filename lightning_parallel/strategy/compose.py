@@ -10,8 +10,9 @@ The order matters and each step says why it comes where it does:
 2. **tensor parallelism** shards the modules a plan names (``tensor_parallel/``); whole copies of one
    unit of each kind for the split check are taken first (``checks/``);
 3. **pipeline parallelism** keeps only this rank's stage, traced on the first batch (``pipeline/``);
-4. **ZeRO-2/3** shards what is left over the data-parallel replicas (``data_parallel/fully_sharded.py``),
-   after the TP split has been checked against the whole copies;
+4. **ZeRO-2/3** shards what is left over the data-parallel replicas (``data_parallel/fully_sharded.py``;
+   over runs of ``zero_shard_size`` of them under hybrid sharding), after the TP split has been
+   checked against the whole copies;
 5. a meta-device model is **materialised**: only this rank's stage and shards are ever allocated,
    with the values construction would have given them; then **expert parallelism** keeps this rank's
    whole experts of every MoE layer (``strategy/experts.py``), each split by TP already, so the TP
@@ -152,10 +153,11 @@ def _check_split_before_sharding(strategy: "ParallelStrategy", module: Any, on_m
 
 
 def _shard_over_replicas(strategy: "ParallelStrategy", module: Any) -> None:
-    """Step 4: ZeRO-2/3 over the data-parallel group, one unit per block."""
+    """Step 4: ZeRO-2/3 over the data-parallel group, one unit per block; with ``zero_shard_size`` over
+    the 2-D mesh of hybrid sharding (sharded inside runs of that many replicas, replicated across them)."""
     strategy.fully_sharded = FullySharded(
         module, sharding_units(module, strategy.pipeline, strategy.options.pipeline_blocks),
-        strategy.mesh.device_mesh["dp"], strategy.options.zero, keep_gathered=strategy.pipeline is not None,
+        strategy.mesh.zero_mesh, strategy.options.zero, keep_gathered=strategy.pipeline is not None,
         mp_policy=gather_policy(strategy.precision_plugin.precision),
     )
     if strategy.pipeline is not None:

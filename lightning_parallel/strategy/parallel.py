@@ -88,7 +88,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
     Args:
         data_parallel, tensor_parallel, pipeline_parallel, context_parallel, expert_parallel, micro_batches,
         schedule, virtual_stages, sequence_parallel, tp_plan, pipeline_blocks, pipeline_layout, bucket_size_mb,
-        zero_stage, broadcast_buffers, verify_split:
+        zero_stage, zero_shard_size, broadcast_buffers, verify_split:
             the layout and its options, each documented on ``ParallelOptions`` (``options.py``).
             A size given as ``"auto"`` (tensor_parallel, pipeline_parallel, schedule,
             virtual_stages, zero_stage): at setup, every rank takes the planner's best layout for
@@ -117,6 +117,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         pipeline_layout: Optional[list[int]] = None,
         bucket_size_mb: float = 25.0,
         zero_stage: Union[int, str] = 0,
+        zero_shard_size: Optional[int] = None,
         broadcast_buffers: bool = True,
         verify_split: bool = True,
         start_method: StartMethod = "popen",
@@ -143,7 +144,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
             schedule=schedule, virtual_stages=virtual_stages,
             sequence_parallel=sequence_parallel, tp_plan=tp_plan, pipeline_blocks=pipeline_blocks,
             pipeline_layout=pipeline_layout, bucket_size_mb=bucket_size_mb, zero_stage=zero_stage,
-            broadcast_buffers=broadcast_buffers, verify_split=verify_split,
+            zero_shard_size=zero_shard_size, broadcast_buffers=broadcast_buffers, verify_split=verify_split,
         )
         self.layout_search: Optional[SearchResult] = None  # the ranked layouts "auto" chose from (once, at setup)
         self._start_method = start_method
@@ -555,9 +556,10 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         if self.zero is not None:
             original = self.zero.original
             clip_grads_by_global_norm(params, float(clip_val), self.mesh, lambda p: counted_once(original.get(p, p)),
-                                      sharded_over_dp=True)
+                                      sharded_over=self.mesh.dp_cp_group)
         elif self.fully_sharded is not None:
-            clip_grads_by_global_norm(params, float(clip_val), self.mesh, counted_once, sharded_over_dp=True)
+            clip_grads_by_global_norm(params, float(clip_val), self.mesh, counted_once,
+                                      sharded_over=self.mesh.zero_shard_group)
         else:
             clip_grads_by_global_norm(params, float(clip_val), self.mesh, counted_once)
 

@@ -119,3 +119,17 @@ def test_zero3_pp2_dp2_checkpoint_with_a_tied_head_resumes_on_dp2(tmp_path, refe
     """The embedding and the head it is tied to are on two stages, each writing the same rows once."""
     checkpoint = half_run(tmp_path / "saved", devices=4, pp=2, zero_stage=3)
     assert_continues(train(tmp_path / "dp2", devices=2, ckpt_path=checkpoint), reference)
+
+
+@pytest.mark.timeout(180)
+def test_hsdp_checkpoint_holds_each_row_once_and_resumes_on_another_shard_size(tmp_path, reference):
+    """Under hybrid sharding the two shard groups hold the same rows: each is written once (DCP's planning
+    keeps one writer of a chunk). Saved with ZeRO-3 in shard groups of 2, resumed with ZeRO-2 in shard groups
+    of 1 (every rank its whole model), each rank reading its rows of the directory."""
+    checkpoint = half_run(tmp_path / "saved", devices=4, zero_stage=3, zero_shard_size=2)
+    metadata = read_metadata(checkpoint)
+    for fqn, stored in metadata.state_dict_metadata.items():
+        if hasattr(stored, "chunks"):
+            assert sum(chunk.sizes.numel() for chunk in stored.chunks) == stored.size.numel(), fqn
+    assert_continues(train(tmp_path / "resumed", devices=4, ckpt_path=checkpoint, zero_stage=2, zero_shard_size=1),
+                     reference)

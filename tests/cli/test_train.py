@@ -53,6 +53,13 @@ def test_every_parallel_preset_takes_zero_stage_without_plus(group):
     assert instantiate(cfg.strategy).options.zero == 1
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("group", ["dp", "tp", "pp", "3d", "auto"])
+def test_every_parallel_preset_takes_zero_shard_size_without_plus(group):
+    cfg = _compose(f"strategy={group}", "strategy.zero_stage=3", "strategy.zero_shard_size=2")
+    assert instantiate(cfg.strategy).options.zero_shard_size == 2
+
+
 @pytest.mark.timeout(60)
 def test_single_process_run_lowers_validation_loss(tmp_path):
     cfg = _compose(

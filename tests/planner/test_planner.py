@@ -135,6 +135,28 @@ def test_search_takes_zero3_only_where_nothing_less_sharded_fits():
     assert tight.best.candidate.layout.options()["zero_stage"] == 3
 
 
+def test_hsdp_holds_model_state_over_its_shard_group_and_keeps_the_gathers_inside_a_node():
+    """Two nodes of 4: ZeRO-3 over all 8 replicas, or HSDP over the 4 of a node (offered only where the DP
+    group spans nodes). HSDP holds what ZeRO-3 over 4 replicas holds, and its data-parallel time is the
+    gathers and reduce-scatters on the node's links plus an all-reduce of a quarter of the gradients across."""
+    model = meta_gpt(n_layer=4, n_embd=64, vocab_size=256)
+    work = Workload(seq=16, global_batch=64)
+    fixed = Constraints(tp=1, pp=1, zero=3, recompute=(False,))
+    ranked = search(model, cluster(nodes=2, devices=4, memory=float("inf")), work, fixed).ranked
+    by_shard = {r.candidate.layout.zero_shard: r for r in ranked}
+    assert set(by_shard) == {None, 4} and by_shard[4].candidate.layout.options()["zero_shard_size"] == 4
+    assert [r.candidate.layout.zero_shard for r in search(model, cluster(devices=8, memory=float("inf")), work,
+                                                          fixed).ranked] == [None]  # one node: nothing to gain
+    state = lambda r: [(m.param_bytes, m.grad_bytes, m.optimizer_bytes) for m in r.candidate.memory]  # noqa: E731
+    node = one(model, cluster(devices=4, memory=float("inf")), work, tp=1, pp=1, dp=4, zero=3)
+    assert state(by_shard[4]) == state(node)
+    assert by_shard[4].candidate.peak_bytes > by_shard[None].candidate.peak_bytes
+    assert by_shard[4].prediction.data_parallel < by_shard[None].prediction.data_parallel  # GPU: slower across
+    pinned = search(model, cluster(nodes=2, devices=4, memory=float("inf")), work,
+                    Constraints(tp=1, pp=1, zero_shard=2, recompute=(False,))).ranked
+    assert {(r.candidate.layout.zero, r.candidate.layout.zero_shard) for r in pinned} == {(2, 2), (3, 2)}
+
+
 def test_slower_link_makes_tensor_parallelism_costlier():
     model = meta_gpt(n_layer=4)
     work = Workload(seq=16, global_batch=64)

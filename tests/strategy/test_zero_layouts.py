@@ -38,10 +38,11 @@ def tiny_gpt() -> GPT:
 
 
 def fit_layout(tmp_path, dp: int, tp: int, pp: int, stage: int, schedule: str = "1f1b", callbacks=(),
-               model=tiny_gpt, **kwargs) -> list[dict]:
+               model=tiny_gpt, shard_size=None, **kwargs) -> list[dict]:
     L.seed_everything(0)
     strategy = ParallelStrategy(data_parallel=dp, tensor_parallel=tp, pipeline_parallel=pp, zero_stage=stage,
-                                micro_batches=4 if pp > 1 else None, schedule=schedule, start_method="fork")
+                                zero_shard_size=shard_size, micro_batches=4 if pp > 1 else None, schedule=schedule,
+                                start_method="fork")
     recs = fit_and_record(model(), token_data(), batch_size=4, out_dir=str(tmp_path / "run"), devices=dp * tp * pp,
                           strategy=strategy, callbacks=[ShardRecorder(str(tmp_path)), *callbacks], **kwargs)
     for r, rec in enumerate(recs):
@@ -89,6 +90,16 @@ def test_zero_dp2_pp2_matches_single_device(tmp_path, stage, schedule):
 def test_zero3_dp2_tp2_pp2_matches_single_device(tmp_path):
     recs = fit_layout(tmp_path, dp=2, tp=2, pp=2, stage=3, **TRAINING)
     assert_matches_one_device(tmp_path, recs, dp=2, tp=2, pp=2, **TRAINING)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("stage, tp, pp", [(2, 2, 1), (3, 1, 2)])
+def test_hsdp_composed_with_tp_or_pp_matches_single_device(tmp_path, stage, tp, pp):
+    """Hybrid sharding under TP or PP on 4 processes: two replicas, each its own shard group
+    (``zero_shard_size=1``), so the gradients cross the replicate dimension of the 2-D mesh by all-reduce
+    (after the pipeline's last micro-batch under PP), and the global norm counts each shard once."""
+    recs = fit_layout(tmp_path, dp=2, tp=tp, pp=pp, stage=stage, shard_size=1, **TRAINING)
+    assert_matches_one_device(tmp_path, recs, dp=2, tp=tp, pp=pp, **TRAINING)
 
 
 # what FSDP2 gathers a unit's parameters with (torch 2.13 renamed all_gather_into_tensor)
