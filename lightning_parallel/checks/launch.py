@@ -187,11 +187,11 @@ def validate_launch(
     if model is None:
         return check_layout(options, num_nodes, devices_per_node)
     # imported here: the layouts a refusal suggests are tried with these very checks
-    from lightning_parallel.checks.layouts import Launch, splits, with_runnable_fixes
+    from lightning_parallel.checks.layouts import Launch, checked_layout, with_runnable_fixes
 
     launch = Launch(model, options, num_nodes, devices_per_node, automatic_optimization, loss_scaler)
     try:
-        mesh = check_layout(options, num_nodes, devices_per_node, runs=lambda tp, pp: splits(launch, tp, pp))
+        mesh = checked_layout(launch)
         check_training_mode(model, mesh.pp_size, automatic_optimization, loss_scaler)
         check_model(model, mesh, options)
     except LaunchError as err:  # its fixes, and other layouts, only where this model runs them

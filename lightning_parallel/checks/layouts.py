@@ -47,9 +47,12 @@ class Launch:
     def world(self) -> int:
         return self.num_nodes * self.devices_per_node
 
+    def check_layout_only(self) -> ParallelMesh:
+        return check_layout(self.options, self.num_nodes, self.devices_per_node)
+
     def check(self) -> ParallelMesh:
         """Every check of a launch with a model (``checks.launch.validate_launch`` without the SLURM one)."""
-        mesh = check_layout(self.options, self.num_nodes, self.devices_per_node)
+        mesh = self.check_layout_only()
         check_training_mode(self.model, mesh.pp_size, self.automatic_optimization, self.loss_scaler)
         split = repr(self.options.replace(data_parallel=AUTO))
         if split not in self.verdicts:
@@ -94,6 +97,25 @@ class Launch:
         return fixed is None or fixed.passes()
 
 
+def checked_layout(launch: Launch) -> ParallelMesh:
+    """``check_layout`` of the launch, the refusal listing only layouts the model runs; where the model does
+    not split into the asked sizes on any allocation, the model's own refusal ("4 attention heads") first."""
+    options = launch.options
+    try:
+        return check_layout(options, launch.num_nodes, launch.devices_per_node,
+                            runs=lambda tp, pp: splits(launch, tp, pp))
+    except LaunchError:
+        if splits(launch, options.tp, options.pp):
+            raise
+        alone = launch.with_fix(_alone(launch, options.tp, options.pp))
+        try:
+            check_training_mode(launch.model, options.pp, launch.automatic_optimization, launch.loss_scaler)
+            check_model(launch.model, alone.check_layout_only(), options)
+        except LaunchError as err:  # its fixes were for the processes the sizes alone need: the layouts follow
+            raise type(err)(err.problem) from None
+        raise
+
+
 def _nearest(values: Iterable[int], target: int) -> list[int]:
     """``values`` nearest to ``target`` first, the smaller of two alike (less communication)."""
     return sorted(values, key=lambda v: (abs(v - target), v))
@@ -115,14 +137,17 @@ def _sizes(launch: Launch, tp: int, pp: int, world: int) -> dict[str, int]:
     return settings
 
 
+def _alone(launch: Launch, tp: int, pp: int) -> Fix:
+    """``tp`` x ``pp`` (with the launch's CP and EP sizes) on one node of just the processes it needs."""
+    options = launch.options
+    return Fix({"strategy.tensor_parallel": tp, "strategy.pipeline_parallel": pp, "strategy.data_parallel": options.ep,
+                "trainer.num_nodes": 1, "trainer.devices": tp * pp * options.cp * options.ep})
+
+
 def splits(launch: Launch, tp: int, pp: int) -> bool:
     """Whether the model splits into ``tp`` x ``pp`` (with the launch's CP and EP sizes), checked on one node
     of just the processes that layout needs: what a model runs does not depend on the allocation."""
-    options = launch.options
-    world = tp * pp * options.cp * options.ep
-    return launch.fix_passes(Fix({"strategy.tensor_parallel": tp, "strategy.pipeline_parallel": pp,
-                                  "strategy.data_parallel": options.ep, "trainer.num_nodes": 1,
-                                  "trainer.devices": world}))
+    return launch.fix_passes(_alone(launch, tp, pp))
 
 
 def same_processes(launch: Launch) -> list[Fix]:

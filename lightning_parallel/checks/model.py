@@ -4,6 +4,7 @@ the pipeline can run. Pure; work on a meta-device model."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 
 from torch import nn
@@ -28,7 +29,7 @@ from lightning_parallel.pipeline.partition import (
 )
 from lightning_parallel.pipeline.schedules import placement_of
 from lightning_parallel.tensor_parallel.detect import detect_plan
-from lightning_parallel.tensor_parallel.plan import TensorParallelError, parse_plan
+from lightning_parallel.tensor_parallel.plan import Plan, TensorParallelError, parse_plan
 from lightning_parallel.tensor_parallel.resolve import (
     Assignment,
     divisors,
@@ -130,8 +131,23 @@ def _splits(stages, blocks: str) -> bool:
 
 def tp_assignments(model: nn.Module, tp: int, tp_plan: Mapping | None, sequence_parallel: bool) -> list[Assignment]:
     """The modules ``tp_plan`` (None: the detected plan) splits over ``tp`` ranks, each with its entry."""
-    plan = parse_plan(tp_plan) if tp_plan is not None else detect_plan(model, sequence_parallel)
+    plan = parse_plan(tp_plan) if tp_plan is not None else _detected_plan(model, sequence_parallel)
     return resolve_plan(model, plan, tp, sequence_parallel)
+
+
+# model -> (its modules and parameter shapes, sequence_parallel) and the plan detected for them
+_DETECTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _detected_plan(model: nn.Module, sequence_parallel: bool) -> Plan:
+    """``detect_plan``, once while the model's modules and parameter shapes stay the same: detection reads
+    every module and does not depend on the TP size, which a refusal and the planner try many of."""
+    key = (tuple((n, id(m)) for n, m in model.named_modules()),
+           tuple((n, tuple(p.shape)) for n, p in model.named_parameters()), sequence_parallel)
+    cached = _DETECTED.get(model)
+    if cached is None or cached[0] != key:
+        cached = _DETECTED[model] = (key, detect_plan(model, sequence_parallel))
+    return cached[1]
 
 
 def _tp_fits(model: nn.Module, tp: int, tp_plan: Mapping | None, sequence_parallel: bool) -> bool:

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lightning_parallel.checks.launch import check_allocation, check_layout
-from lightning_parallel.checks.layouts import Launch, checked_fixes, splits
+from lightning_parallel.checks.layouts import Launch, checked_fixes, checked_layout
 from lightning_parallel.checks.model import check_model
 from lightning_parallel.checks.share import Share, planned_share
 from lightning_parallel.cli.config_checks import check_config, parallel_options
@@ -108,9 +108,7 @@ def build_plan(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> LaunchPl
         model = meta_model(cfg)
     # a network built in the module's setup hook exists only once the run starts: the strategy checks it then
     built = any(True for _ in model.parameters())
-    launch = Launch(model, options, num_nodes, devices) if built else None
-    mesh = check_layout(options, num_nodes, devices,
-                        **({"runs": lambda tp, pp: splits(launch, tp, pp)} if launch is not None else {}))
+    mesh = checked_layout(Launch(model, options, num_nodes, devices)) if built else check_layout(options, num_nodes, devices)
     assignments, stages = check_model(model, mesh, options) if built else ([], None)
     micro_batches = options.micro_batches or mesh.pp_size
     if shape is not None and shape[0] % micro_batches:
