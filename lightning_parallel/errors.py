@@ -82,6 +82,11 @@ def python_arguments(strategy_class: str) -> Callable[[Fix], Optional[str]]:
     return write
 
 
+def lead_in_dropped(problem: str) -> str:
+    """``problem`` without the words that introduced its own fixes (", e.g." or a final colon)."""
+    return re.sub(r"(,? e\.g\.|[:;,])\s*$", "", problem.rstrip())
+
+
 def with_fixes(problem: str, fixes: Sequence[Fix], write: Callable[[Fix], Optional[str]] = as_overrides) -> str:
     """``problem``, then one indented line per fix ``write`` can write, its ``why`` as a comment."""
     lines = [problem]

@@ -271,10 +271,16 @@ class ParallelMesh:
         firsts = [r for r in range(self.world_size) if self.coords(r).dp < self.dp_shard_size]
         return [self.group_ranks("dp_replicate", r) for r in firsts]
 
+    def sizes(self) -> str:
+        """Every dimension in use, slowest first: ``pp=1 x dp=4 (ep=2) x tp=1`` (the EP groups are carved from the
+        DP replicas, so ``ep`` stands beside ``dp`` rather than in the product), ``cp`` where the sequence is split."""
+        ep = f" (ep={self.ep_size})" if self.ep_size > 1 else ""
+        cp = f" x cp={self.cp_size}" if self.cp_size > 1 else ""
+        return f"pp={self.pp_size} x dp={self.dp_size}{ep}{cp} x tp={self.tp_size}"
+
     def describe(self, devices_per_node: Optional[int] = None) -> str:
         """A human-readable table of every rank's coordinates (and node, when known)."""
-        cp = f" x cp={self.cp_size}" if self.cp_size > 1 else ""
-        lines = [f"mesh: pp={self.pp_size} x dp={self.dp_size}{cp} x tp={self.tp_size} = {self.world_size} processes"]
+        lines = [f"mesh: {self.sizes()} = {self.world_size} processes"]
         for r in range(self.world_size):
             c = self.coords(r)
             node = f" node {r // devices_per_node}" if devices_per_node else ""

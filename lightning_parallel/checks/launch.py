@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Callable
 from dataclasses import replace
 
 from torch import nn
@@ -84,19 +85,23 @@ def check_allocation(num_nodes: int, devices_per_node: int, env: Mapping[str, st
     )
 
 
-def _layouts(world: int, devices_per_node: int) -> list[str]:
-    """Layouts that fill ``world`` processes with TP groups inside a node."""
+def _layouts(world: int, devices_per_node: int, runs: Callable[[int, int], bool]) -> list[str]:
+    """Layouts that fill ``world`` processes with TP groups inside a node, those the model ``runs(tp, pp)``."""
     return [
         f"tp={t} pp={p} dp={world // (t * p)}"
         for t in divisors(devices_per_node)
         if world % t == 0
         for p in divisors(world // t)
+        if runs(t, p)
     ]
 
 
-def check_layout(options: ParallelOptions, num_nodes: int, devices_per_node: int) -> ParallelMesh:
+def check_layout(options: ParallelOptions, num_nodes: int, devices_per_node: int,
+                 runs: Callable[[int, int], bool] = lambda tp, pp: True) -> ParallelMesh:
     """The mesh of ``options``' sizes on ``num_nodes`` x ``devices_per_node`` processes; refuses a
-    product that does not match, a TP group that would span nodes, or context with pipeline parallelism."""
+    product that does not match, a TP group that would span nodes, or context with pipeline parallelism.
+    A refusal suggests only TP x PP sizes the model splits into, ``runs(tp, pp)`` (where the model is known:
+    ``checks/layouts.py``'s ``splits``)."""
     tp, pp, dp, cp = options.tp, options.pp, options.data_parallel, options.cp
     world = num_nodes * devices_per_node
     if cp > 1 and pp > 1:
@@ -120,16 +125,17 @@ def check_layout(options: ParallelOptions, num_nodes: int, devices_per_node: int
             + f", but the allocation has {num_nodes} node(s) x {devices_per_node} = {world}."
         ]
         fixes = []
-        allocation = ((wanted // devices_per_node, devices_per_node) if fixed_dp and wanted % devices_per_node == 0
-                      else (1, wanted) if fixed_dp and wanted < devices_per_node else None)
-        if allocation is not None:
-            lines.append(f"Allocate for the layout:\n{_sbatch_lines(*allocation)}")
-            fixes.append(_allocation(*allocation, f"keep tp={tp} pp={pp}" + (f" cp={cp}" if cp > 1 else "")))
+        # the nodes stay those the allocation has: only the devices per node change
+        per_node = wanted // num_nodes if fixed_dp and wanted % num_nodes == 0 else None
+        if per_node is not None and per_node % tp == 0 and runs(tp, pp):
+            lines.append(f"Allocate for the layout:\n{_sbatch_lines(num_nodes, per_node)}")
+            fixes.append(_allocation(num_nodes, per_node, f"keep tp={tp} pp={pp}" + (f" cp={cp}" if cp > 1 else "")))
         if world % split == 0:  # data parallelism takes the rest
             fixes.append(Fix({"strategy.data_parallel": world // split},
                              f"keep {num_nodes} node(s) x {devices_per_node} devices"))
+        fitting = _layouts(world, devices_per_node, runs)
         lines.append(f"Layouts that fit {world} processes with TP inside a node: "
-                     f"{', '.join(_layouts(world, devices_per_node)[:10])}" + (":" if fixes else ""))
+                     f"{', '.join(fitting[:10]) or 'none'}" + (":" if fixes else ""))
         raise LaunchError("\n".join(lines), fixes) from None
     if devices_per_node % tp:
         fitting = [t for t in divisors(devices_per_node) if world % (t * pp * cp) == 0]
@@ -192,13 +198,22 @@ def validate_launch(
         options: the layout and its options (sizes already resolved from "auto").
         num_nodes, devices_per_node: the Trainer's ``num_nodes`` and ``devices``.
         model: when given, also check that it splits into the TP and PP sizes with ``options``, and
-            that it trains in a way the pipeline runs (``automatic_optimization``, no ``loss_scaler``).
+            that it trains in a way the pipeline runs (``automatic_optimization``, no ``loss_scaler``);
+            a refusal then suggests only layouts this model runs on this allocation (``checks/layouts.py``).
 
     Returns the mesh (sizes only; no process groups). Raises ``LaunchError``.
     """
     check_allocation(num_nodes, devices_per_node)
-    mesh = check_layout(options, num_nodes, devices_per_node)
-    if model is not None:
+    if model is None:
+        return check_layout(options, num_nodes, devices_per_node)
+    # imported here: the layouts a refusal suggests are tried with these very checks
+    from lightning_parallel.checks.layouts import Launch, checked_layout, with_runnable_fixes
+
+    launch = Launch(model, options, num_nodes, devices_per_node, automatic_optimization, loss_scaler)
+    try:
+        mesh = checked_layout(launch)
         check_training_mode(model, mesh.pp_size, automatic_optimization, loss_scaler)
         check_model(model, mesh, options)
+    except LaunchError as err:  # its fixes, and other layouts, only where this model runs them
+        raise with_runnable_fixes(err, launch) from None
     return mesh

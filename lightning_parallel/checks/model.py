@@ -4,6 +4,7 @@ the pipeline can run. Pure; work on a meta-device model."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 
 from torch import nn
@@ -28,7 +29,7 @@ from lightning_parallel.pipeline.partition import (
 )
 from lightning_parallel.pipeline.schedules import placement_of
 from lightning_parallel.tensor_parallel.detect import detect_plan
-from lightning_parallel.tensor_parallel.plan import TensorParallelError, parse_plan
+from lightning_parallel.tensor_parallel.plan import Plan, TensorParallelError, parse_plan
 from lightning_parallel.tensor_parallel.resolve import (
     Assignment,
     divisors,
@@ -48,22 +49,13 @@ def check_model(model: nn.Module, mesh: ParallelMesh,
     if mesh.cp_size > 1:
         check_context_parallel(model, options)
     if mesh.ep_size > 1:
-        check_expert_parallel(model, mesh.ep_size)
+        check_expert_parallel(model, mesh.ep_size, mesh.dp_size)
     assignments: list[Assignment] = []
     if mesh.tp_size > 1:
         try:
             assignments = tp_assignments(model, mesh.tp_size, tp_plan, sequence_parallel)
         except TensorParallelError as err:
-            fits = [
-                t for t in divisors(mesh.world_size)
-                if t < mesh.tp_size and (t == 1 and tp_plan is None or _tp_fits(model, t, tp_plan, sequence_parallel))
-            ]
-            # a plan that fits no size (a glob that names no module, an unknown style) has its own fix
-            if not fits:
-                raise LaunchError(str(err)) from None
-            fix = (Fix({"strategy.tensor_parallel": 1}, "data parallelism only") if fits == [1] else
-                   Fix({"strategy.tensor_parallel": max(fits), "strategy.data_parallel": "auto"}))
-            raise LaunchError(f"{err}\nTP sizes this model and world allow: {fits}, e.g.", [fix]) from None
+            raise _tp_refusal(model, mesh, options, err) from None
         if tp_plan is None:  # a plan the user gave is used as given
             # imported here: the share counts stages with the planner's estimate, and the planner checks models here
             from lightning_parallel.checks.share import refuse_nothing_worth_splitting
@@ -139,8 +131,23 @@ def _splits(stages, blocks: str) -> bool:
 
 def tp_assignments(model: nn.Module, tp: int, tp_plan: Mapping | None, sequence_parallel: bool) -> list[Assignment]:
     """The modules ``tp_plan`` (None: the detected plan) splits over ``tp`` ranks, each with its entry."""
-    plan = parse_plan(tp_plan) if tp_plan is not None else detect_plan(model, sequence_parallel)
+    plan = parse_plan(tp_plan) if tp_plan is not None else _detected_plan(model, sequence_parallel)
     return resolve_plan(model, plan, tp, sequence_parallel)
+
+
+# model -> (its modules and parameter shapes, sequence_parallel) and the plan detected for them
+_DETECTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _detected_plan(model: nn.Module, sequence_parallel: bool) -> Plan:
+    """``detect_plan``, once while the model's modules and parameter shapes stay the same: detection reads
+    every module and does not depend on the TP size, which a refusal and the planner try many of."""
+    key = (tuple((n, id(m)) for n, m in model.named_modules()),
+           tuple((n, tuple(p.shape)) for n, p in model.named_parameters()), sequence_parallel)
+    cached = _DETECTED.get(model)
+    if cached is None or cached[0] != key:
+        cached = _DETECTED[model] = (key, detect_plan(model, sequence_parallel))
+    return cached[1]
 
 
 def _tp_fits(model: nn.Module, tp: int, tp_plan: Mapping | None, sequence_parallel: bool) -> bool:
@@ -149,6 +156,47 @@ def _tp_fits(model: nn.Module, tp: int, tp_plan: Mapping | None, sequence_parall
     except TensorParallelError:
         return False
     return True
+
+
+def head_counts(model: nn.Module) -> list[tuple[int, str]]:
+    """The counts a TP size must divide that the model states itself, each with the module that states it:
+    a Hugging Face config's attention and KV heads, an ``nn.MultiheadAttention``'s heads
+    (``[(4, "attention heads of BertForSequenceClassification")]``)."""
+    counts: dict[str, tuple[int, str]] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if hasattr(module, "base_model_prefix") and config is not None:
+            for attr, what in (("num_attention_heads", "attention heads"), ("num_key_value_heads", "KV heads")):
+                if isinstance(getattr(config, attr, None), int):
+                    counts.setdefault(what, (getattr(config, attr), type(module).__name__))
+        elif isinstance(module, nn.MultiheadAttention):
+            counts.setdefault("attention heads", (module.num_heads, type(module).__name__))
+    if "KV heads" in counts and counts["KV heads"][0] == counts.get("attention heads", (0,))[0]:
+        del counts["KV heads"]
+    return [(n, f"{what} of {owner}") for what, (n, owner) in counts.items()]
+
+
+def _tp_refusal(model: nn.Module, mesh: ParallelMesh, options: ParallelOptions, err: TensorParallelError) -> LaunchError:
+    """A TP size the model does not split into, in the model's own terms where it states them ("4 attention
+    heads", not the width of a Linear), with the TP sizes it allows and the largest of them the world fits."""
+    tp, plan, sequence_parallel = mesh.tp_size, options.tp_plan, options.sequence_parallel
+    counts = head_counts(model)
+    undivided = [(n, what) for n, what in counts if n % tp]
+    # the sizes that split the model: divisors of its heads where it states them, else of the world
+    candidates = divisors(min(n for n, _ in counts)) if counts else [t for t in divisors(mesh.world_size) if t < tp]
+    allowed = [t for t in candidates if t == 1 and plan is None or _tp_fits(model, t, plan, sequence_parallel)]
+    if not allowed:  # a plan that fits no size (a glob that names no module, an unknown style) has its own fix
+        return LaunchError(str(err))
+    if undivided:
+        n, what = undivided[0]
+        problem = (f"tensor_parallel={tp} does not divide the {n} {what}: each TP rank computes whole heads. "
+                   f"TP sizes this model allows: {allowed}")
+    else:
+        problem = f"{err}\nTP sizes this model and world allow: {allowed}"
+    fits = [t for t in allowed if t < tp and mesh.world_size % t == 0]
+    fix = (Fix({"strategy.tensor_parallel": 1}, "data parallelism only") if fits == [1] else
+           Fix({"strategy.tensor_parallel": max(fits), "strategy.data_parallel": "auto"}) if fits else None)
+    return LaunchError(problem + (", e.g." if fix else ""), [fix] if fix else [])
 
 
 def check_training_mode(model: nn.Module, pipeline_parallel: int, automatic_optimization: bool,
@@ -175,9 +223,10 @@ def check_training_mode(model: nn.Module, pipeline_parallel: int, automatic_opti
         )
 
 
-def check_expert_parallel(model: nn.Module, ep: int) -> None:
+def check_expert_parallel(model: nn.Module, ep: int, dp: int) -> None:
     """Refuse a model without routed experts, or whose expert count ``ep`` does not divide (every
-    rank holds the same number of whole experts), before any process group exists."""
+    rank holds the same number of whole experts), before any process group exists; the fix is the
+    largest smaller size that divides both the experts and the ``dp`` data-parallel ranks."""
     found = find_experts(model)
     if not found:
         raise LaunchError(
@@ -189,5 +238,5 @@ def check_expert_parallel(model: nn.Module, ep: int) -> None:
         try:
             owned_experts(count, ep, 0)
         except ConfigurationError as err:
-            best = max(e for e in range(1, ep) if count % e == 0)
+            best = max(e for e in range(1, ep) if count % e == 0 and dp % e == 0)
             raise LaunchError(f"{name}: {err}, e.g.", [Fix({"strategy.expert_parallel": best})]) from None

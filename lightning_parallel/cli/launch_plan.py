@@ -6,7 +6,6 @@ first, `lp-plan` prints ``format_plan``.
 
 from __future__ import annotations
 
-import math
 import os
 from collections import Counter
 from collections.abc import Mapping
@@ -22,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from lightning_parallel.checks.launch import check_allocation, check_layout
+from lightning_parallel.checks.layouts import Launch, checked_fixes, checked_layout
 from lightning_parallel.checks.model import check_model
 from lightning_parallel.checks.share import Share, planned_share
 from lightning_parallel.cli.config_checks import check_config, parallel_options
@@ -104,11 +104,11 @@ def build_plan(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> LaunchPl
         searched = choose(model, num_nodes, devices, device_kind(cfg.trainer.accelerator), shape[0], shape[1],
                           str(cfg.trainer.precision), options)
         options = options.resolved(searched.best.candidate.layout.options())
-    mesh = check_layout(options, num_nodes, devices)
     if model is None:
         model = meta_model(cfg)
     # a network built in the module's setup hook exists only once the run starts: the strategy checks it then
     built = any(True for _ in model.parameters())
+    mesh = checked_layout(Launch(model, options, num_nodes, devices)) if built else check_layout(options, num_nodes, devices)
     assignments, stages = check_model(model, mesh, options) if built else ([], None)
     micro_batches = options.micro_batches or mesh.pp_size
     if shape is not None and shape[0] % micro_batches:
@@ -174,14 +174,22 @@ def _loader_shape(data_config: str) -> tuple[int, int]:
 
 def meta_model(cfg: DictConfig) -> nn.Module:
     """The config's model on the meta device, as the strategy will see it: a ``from_pretrained`` inside
-    reads no weights, and a network built in ``configure_model`` is built too."""
+    reads no weights, and a network built in ``configure_model`` is built too. Built once per model
+    config (the checks only read it): the fixes tried before a refusal is printed change the layout, not
+    the model, and the model's own loading messages are left to the run that loads its weights."""
+    return _meta_model(OmegaConf.to_yaml(cfg.model, resolve=True))
+
+
+@lru_cache(maxsize=2)
+def _meta_model(model_config: str) -> nn.Module:
     from lightning.pytorch import LightningModule
     from lightning.pytorch.utilities.model_helpers import is_overridden
 
+    from lightning_parallel.cli.quiet import quiet_model_loading
     from lightning_parallel.strategy.materialize import empty_parameters
 
-    with empty_parameters(draws=False):
-        model = instantiate(cfg.model)
+    with empty_parameters(draws=False), quiet_model_loading():
+        model = instantiate(OmegaConf.create(model_config))
         if isinstance(model, LightningModule) and is_overridden("configure_model", model, LightningModule):
             model.configure_model()
     return model
@@ -194,31 +202,12 @@ def device_kind(accelerator) -> str:
     return "cuda" if str(accelerator) == "auto" and torch.cuda.is_available() else "cpu"
 
 
-def _closest_first(values: list[int], target: int) -> list[int]:
-    return sorted(values, key=lambda v: (abs(math.log(v / target)), -v))
-
-
-def _candidate_fixes(cfg: DictConfig) -> list[Fix]:
-    """Other layouts of the launch, the nearest to what was asked first."""
-    options = parallel_options(cfg)
-    nodes, devices = int(cfg.trainer.num_nodes), int(cfg.trainer.devices)
-    world = nodes * devices
-    tp, pp, dp, cp = options.tp, options.pp, options.data_parallel, options.cp
-    strategy = cfg.get("strategy") if isinstance(cfg.get("strategy"), DictConfig) else {}
-    fixes = []
-    for t in _closest_first([t for t in divisors(devices) if world % (t * cp) == 0], tp):  # keep the allocation
-        for p in _closest_first(divisors(world // (t * cp)), pp) if cp == 1 else [1]:
-            settings = {f"strategy.{name}": v for name, v, now in (("tensor_parallel", t, tp), ("pipeline_parallel", p, pp))
-                        if v != now}
-            if "data_parallel" in strategy and (settings or str(dp) != str(world // (t * p * cp))):
-                settings["strategy.data_parallel"] = world // (t * p * cp)  # first: only the DP size changes
-            if settings:
-                fixes.append(Fix(settings, f"keep {nodes} node(s) x {devices} devices"))
-    wanted = tp * pp * cp * (int(dp) if str(dp).isdigit() else max(1, world // (tp * pp * cp)))
-    per_node = [d for d in divisors(wanted) if d % tp == 0]  # keep the layout, change the allocation
-    for d in _closest_first(per_node, devices) if per_node else []:
-        fixes.append(Fix({"trainer.num_nodes": wanted // d, "trainer.devices": d}, f"keep tp={tp} pp={pp}"))
-    return fixes
+def _launch_of(cfg: DictConfig) -> Optional[Launch]:
+    """The launch of ``cfg`` for the checks to try fixes on; None where the model builds its network later."""
+    model = meta_model(cfg)
+    if not any(True for _ in model.parameters()):
+        return None
+    return Launch(model, parallel_options(cfg), int(cfg.trainer.num_nodes), int(cfg.trainer.devices))
 
 
 def launch_error(overrides: list[str]) -> Optional[Exception]:
@@ -236,8 +225,8 @@ def explain_failure(err: Exception, prog: str, overrides: list[str], cfg: DictCo
     if not isinstance(err, LightningParallelError):
         return str(err)
     fixes = list(err.fixes)
-    if isinstance(err, LaunchError) and not parallel_options(cfg).is_auto:
-        fixes += _candidate_fixes(cfg)
+    if isinstance(err, LaunchError) and not parallel_options(cfg).is_auto and (launch := _launch_of(cfg)) is not None:
+        fixes = checked_fixes(launch, fixes)  # its own that the model runs, then the layouts it runs
     return explained(err.problem, prog, overrides, fixes, cfg, launch_error)
 
 

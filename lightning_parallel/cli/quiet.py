@@ -1,4 +1,5 @@
-"""Silence the warnings, tips and banners that `lp-train` prints and that need no action from the user.
+"""Silence the warnings, tips and banners that `lp-train` prints and that need no action from the user,
+and the messages a model prints while it is built for the launch checks only (``quiet_model_loading``).
 
 Each entry below is a message Lightning, torch or torchmetrics prints for something this package
 does on purpose; everything else still reaches the user. Installed in every rank's process, so a
@@ -7,9 +8,13 @@ message that would repeat once per rank is gone everywhere, not only on rank 0.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 
 # (message regex, why it is harmless here)
 HARMLESS_WARNINGS = (
@@ -54,6 +59,36 @@ def quiet_known_warnings(banner: bool = False) -> None:
     # per-rank notices ("Initializing distributed: GLOBAL_RANK: 3"): rank 0's is enough
     if int(os.environ.get("LOCAL_RANK", 0)) > 0 or int(os.environ.get("NODE_RANK", 0)) > 0:
         logging.getLogger("lightning.fabric.utilities.distributed").setLevel(logging.WARNING)
+        _quiet_transformers()
+
+
+def _quiet_transformers() -> None:
+    """Hugging Face's loading messages (the "Loading weights" bar, the load report) on a rank that is not
+    the first: every rank loads the same files, rank 0 tells. The meta build of the launch check has
+    imported transformers where the model uses it, so its own logger set-up does not undo this."""
+    transformers = sys.modules.get("transformers")
+    if transformers is not None:
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
+
+
+@contextmanager
+def quiet_model_loading() -> Iterator[None]:
+    """Silence what building a model prints (a ``from_pretrained``'s progress bar and load report, the
+    module's own prints) while the launch checks build it on the meta device, which reads no weights:
+    the run that loads them prints them once. Shown after all if the build fails."""
+    out, err = io.StringIO(), io.StringIO()
+    disabled = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            yield
+    except BaseException:
+        sys.stdout.write(out.getvalue())
+        sys.stderr.write(err.getvalue())
+        raise
+    finally:
+        logging.disable(disabled)
 
 
 def quiet_resume_warning(datamodule) -> None:

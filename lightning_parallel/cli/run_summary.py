@@ -34,9 +34,8 @@ def _blocks(blocks: range) -> str:
 def layout_lines(plan: Any) -> list[str]:
     """The mesh, TP plan and pipeline stage split of a ``cli.launch_plan.LaunchPlan``."""
     mesh = plan.mesh
-    cp = f" x cp={mesh.cp_size}" if mesh.cp_size > 1 else ""
-    lines = [f"layout       pp={mesh.pp_size} x dp={mesh.dp_size}{cp} x tp={mesh.tp_size} on {plan.num_nodes} node(s) x "
-             f"{plan.devices_per_node} devices; {plan.model_name}, {plan.parameters / 1e6:,.2f}M parameters"]
+    lines = [f"layout       {mesh.sizes()} on {plan.num_nodes} node(s) x {plan.devices_per_node} devices; "
+             f"{plan.model_name}, {plan.parameters / 1e6:,.2f}M parameters"]
     if plan.tp_plan:
         lines.append("tp plan      " + ", ".join(f"{k} (x{n})" for k, n in plan.tp_plan.items()))
     if plan.share is not None and (mesh.tp_size > 1 or mesh.pp_size > 1):

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig
 
-from lightning_parallel.errors import Fix, hydra_value
+from lightning_parallel.errors import Fix, hydra_value, lead_in_dropped
 
 # overrides -> the error that launch would raise, or None when it passes every check
 Check = Callable[[list[str]], Optional[Exception]]
@@ -73,11 +73,6 @@ def verified_lines(prog: str, overrides: Sequence[str], fixes: Sequence[Fix], cf
         alike[fix.why] += 1
         lines.append(f"    {command_line(prog, fixed)}{_sbatch(fix.settings)}" + (f"   # {fix.why}" if fix.why else ""))
     return lines
-
-
-def lead_in_dropped(problem: str) -> str:
-    """``problem`` without the words that introduced its own fixes (", e.g." or a final colon)."""
-    return re.sub(r"(,? e\.g\.|[:;,])\s*$", "", problem.rstrip())
 
 
 def explained(problem: str, prog: str, overrides: Sequence[str], fixes: Sequence[Fix], cfg: DictConfig,

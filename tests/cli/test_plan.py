@@ -144,7 +144,8 @@ def refusal(*overrides: str) -> str:
 @pytest.mark.timeout(30)
 def test_layout_larger_than_allocation_is_refused_with_sbatch_lines():
     message = refusal("+recipe=gpt_1p3b_3d", "trainer.num_nodes=1")
-    assert "#SBATCH --nodes=2\n    #SBATCH --ntasks-per-node=4" in message
+    # the nodes stay those the allocation has: the layout's 8 processes on its one node
+    assert "#SBATCH --nodes=1\n    #SBATCH --ntasks-per-node=8" in message and "--nodes=2" not in message
     assert "strategy.data_parallel=1" in message
 
 

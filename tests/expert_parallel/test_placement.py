@@ -84,7 +84,8 @@ def tiny_mixtral(experts: int = 4):
 
 def test_experts_modules_are_found_and_checked_before_launch():
     assert sorted(find_experts(tiny_mixtral())) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
-    with pytest.raises(LaunchError, match="(?s)does not divide the 6 experts.*expert_parallel=3"):
+    # 3 divides the experts but not the 4 data-parallel ranks: the fix is 2
+    with pytest.raises(LaunchError, match="(?s)does not divide the 6 experts.*expert_parallel=2"):
         validate_launch(ParallelOptions(expert_parallel=4), 1, 4, model=tiny_mixtral(6))
     validate_launch(ParallelOptions(expert_parallel=2), 1, 4, model=tiny_mixtral(6))
 
