@@ -23,7 +23,7 @@ by popen or torchrun), or receive the trained full weights in the parent process
 from __future__ import annotations
 
 import weakref
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Generator, Literal, Optional, Union
 
@@ -66,6 +66,7 @@ from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline.partition import find_blocks
 from lightning_parallel.planner import SearchResult
 from lightning_parallel.planner.auto import choose_for
+from lightning_parallel.strategy.averaging import average_held_parts
 from lightning_parallel.strategy.checkpointing import SplitCheckpoints
 from lightning_parallel.strategy.clipping import clip_grads_by_global_norm
 from lightning_parallel.strategy.collectives import MeshCollectives
@@ -157,6 +158,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         self.fully_sharded: Optional[FullySharded] = None  # ZeRO-2/3
         self.experts: Optional[ExpertParallel] = None  # the placed experts, when expert_parallel > 1
         self._sync_blocked = False
+        self._backward_split = ExitStack()  # the sequence split from pre_backward to post_backward
         self._requeue = DeferredRequeue(None)
         self._unsplit_counts: dict[str, tuple[int, int]] = {}  # parameters per module before the split
         self._tp_reference: Optional[tuple] = None  # the whole model's values on the probe's example (checks/split_values.py)
@@ -341,6 +343,8 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         sync_metrics_per_replica(module, self.mesh)  # TP ranks' identical metric states count once
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
+            # the averaging callbacks copied the module before the split (and before rank 0's values reached all)
+            average_held_parts(trainer.callbacks, module)
             self._prepare_training(trainer, module)
         self.setup_precision_plugin()
         if self.is_model_split or self.zero is not None or self.fully_sharded is not None:
@@ -528,16 +532,21 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
             self._sync_blocked = False
 
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
-        # blocks that activation checkpointing recomputes split their sequence again, and attend over the ring
-        with self._sequence_split():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        # blocks that activation checkpointing recomputes split their sequence again, and attend over the ring.
+        # Entered here and left in post_backward, around Lightning's own ``Strategy.backward``, which this
+        # class leaves as it is (tests that wrap ``Strategy.backward`` then call it once, as under ``ddp``)
+        self._backward_split = ExitStack()
+        self._backward_split.enter_context(self._sequence_split())
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
         # after the window's last backward (manual optimisation: after every manual_backward)
-        if not self._sync_blocked:
-            self.finalize_gradients()
+        try:
+            if not self._sync_blocked:
+                self.finalize_gradients()
+        finally:
+            self._backward_split.close()
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         params = list(self.precision_plugin.main_params(optimizer))
