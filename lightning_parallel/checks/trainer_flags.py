@@ -1,10 +1,11 @@
 """Trainer features that would silently do something else on a model whose ranks hold different parts.
 
 A split model (TP shards, pipeline stages, placed experts, or ZeRO-2/3 rows) is refused, before any
-process group exists, with Trainer features that assume every rank holds the whole model: stochastic
-weight averaging (a copy of the whole model taken before the split), ``sync_batchnorm`` under ZeRO-2/3
-(layers replaced after the parameters were sharded), and a ``CheckpointIO`` plugin (a split model
-writes a directory of shards itself).
+process group exists, with Trainer features that assume every rank holds the whole model or runs
+Lightning's backward: stochastic weight averaging under pipeline parallelism (it switches Lightning's
+backward on again at each epoch end; elsewhere each rank averages its own part: ``strategy/averaging.py``),
+``sync_batchnorm`` under ZeRO-2/3 (layers replaced after the parameters were sharded), and a
+``CheckpointIO`` plugin (a split model writes a directory of shards itself).
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ def _layout(options: ParallelOptions) -> str:
 def refuse_split_model_flags(trainer: Any, options: ParallelOptions, layer_sync: Any, checkpoint_io: Any) -> None:
     """Raise ``LaunchError`` for a Trainer feature ``trainer`` uses that a split model would not honour."""
     split = _layout(options)
-    if any(isinstance(callback, StochasticWeightAveraging) for callback in trainer.callbacks):
+    if options.pp > 1 and any(isinstance(callback, StochasticWeightAveraging) for callback in trainer.callbacks):
         raise LaunchError(
-            f"Trainer(callbacks=[StochasticWeightAveraging(...)]) is not supported with {split}: it averages "
-            "a copy of the whole model taken before the split, and it switches Lightning's backward off and on "
-            "again, which the pipeline relies on. Remove the callback, or average weights with "
-            "DataParallelStrategy (data parallelism only, zero_stage 0 or 1)."
+            f"Trainer(callbacks=[StochasticWeightAveraging(...)]) is not supported with {split}: it switches "
+            "Lightning's backward back on at every epoch end, and the pipeline runs backward itself inside "
+            "training_step. Average weights with EMAWeightAveraging or WeightAveraging(avg_fn=...) "
+            "(lightning.pytorch.callbacks), which work with pipeline_parallel, or train with pipeline_parallel=1."
         )
     if options.shards_parameters and layer_sync is not None:
         raise LaunchError(

@@ -21,10 +21,16 @@ PLAIN = SimpleNamespace(callbacks=[])
     (ParallelOptions(zero_stage=3), "zero_stage=3"),
 ])
 def test_refusal_names_the_layout(options, named):
-    with pytest.raises(LaunchError, match=f"StochasticWeightAveraging.*not supported with .*{named}"):
-        refuse_split_model_flags(SWA, options, None, TorchCheckpointIO())
     with pytest.raises(LaunchError, match=f"AsyncCheckpointIO.*not supported with .*{named}"):
         refuse_split_model_flags(PLAIN, options, None, AsyncCheckpointIO())
+
+
+def test_stochastic_weight_averaging_is_refused_only_under_pipeline_parallelism():
+    for options in (ParallelOptions(tensor_parallel=2), ParallelOptions(zero_stage=3)):
+        refuse_split_model_flags(SWA, options, None, TorchCheckpointIO())  # each rank averages its part
+    with pytest.raises(LaunchError, match=r"StochasticWeightAveraging.*not supported with .*pipeline_parallel=2"):
+        refuse_split_model_flags(SWA, ParallelOptions(pipeline_parallel=2, tensor_parallel=2), None,
+                                 TorchCheckpointIO())
 
 
 def test_sync_batchnorm_is_refused_only_where_parameters_are_sharded():
