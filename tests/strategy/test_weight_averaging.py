@@ -1,7 +1,7 @@
 """Lightning's weight-averaging callbacks average the split model as one device averages the whole one.
 
-``EMAWeightAveraging`` and ``StochasticWeightAveraging`` on every layout (DP at ZeRO stages 0-3, TP,
-PP, TP x PP and DP x TP x PP at ZeRO-3), each rank averaging the part it holds
+``EMAWeightAveraging`` and ``StochasticWeightAveraging`` (refused under PP: ``test_trainer_flags.py``) on
+DP at ZeRO-1 and ZeRO-3, TP and TP x PP, each rank averaging the part it holds
 (``strategy/averaging.py``), against one process reading the same global batches (what Lightning's
 ``ddp`` computes; under ZeRO-3 also against ``ddp`` itself). The averaged weights are read after the
 callback's ``on_train_end`` has copied them into the module.
@@ -33,16 +33,13 @@ from tests.strategy.test_zero_layouts import tiny_gpt
 PARAM_TOL = 1e-4
 PER_RANK_BATCH = 4
 
-#: name -> (data_parallel, tensor_parallel, pipeline_parallel, zero_stage)
+#: name -> (data_parallel, tensor_parallel, pipeline_parallel, zero_stage). DP x TP x PP at ZeRO-3 (8
+#: processes), DP x TP at ZeRO-2 and DP at ZeRO-0/2 match too; the suite keeps one layout per kind of part
 LAYOUTS = {
-    "dp_zero0": (2, 1, 1, 0),
     "dp_zero1": (2, 1, 1, 1),
-    "dp_zero2": (2, 1, 1, 2),
     "dp_zero3": (2, 1, 1, 3),
     "tp": (1, 2, 1, 0),
-    "pp": (1, 1, 2, 0),
     "tp_pp": (1, 2, 2, 0),
-    "3d_zero3": (2, 2, 2, 3),
 }
 
 
@@ -107,12 +104,11 @@ def assert_same_average(actual: dict[str, torch.Tensor], reference: dict) -> Non
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("averaging", [ema, swa], ids=["ema", "swa"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout, averaging", [
+    ("dp_zero1", ema), ("tp_pp", ema), ("dp_zero3", swa), ("tp", swa),
+], ids=["dp_zero1-ema", "tp_pp-ema", "dp_zero3-swa", "tp-swa"])
 def test_weight_averaging_of_each_ranks_part_matches_one_device(tmp_path, layout, averaging):
     dp, tp, pp, stage = LAYOUTS[layout]
-    if averaging is swa and pp > 1:
-        pytest.skip("refused at setup under pipeline parallelism (test_trainer_flags.py)")
     reference = fit(tmp_path, "ref", averaging, replicas=dp)[0]
     strategy = ParallelStrategy(data_parallel=dp, tensor_parallel=tp, pipeline_parallel=pp, zero_stage=stage,
                                 micro_batches=2 if pp > 1 else None, start_method="fork")
