@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_map  # noqa: F401 - re-export
 #: checked by ``tests/strategy/test_compat.py``.
 OVERRIDDEN = {
     "lightning.pytorch.strategies.Strategy": ("_configure_launcher", "_launcher", "_lightning_module"),
-    "lightning.pytorch.Trainer": ("_data_connector",),
+    "lightning.pytorch.Trainer": ("_data_connector", "_accelerator_connector"),
     "lightning.pytorch.strategies.ParallelStrategy": ("_layer_sync",),
     "lightning.pytorch.callbacks.ModelSummary": ("_summary", "_max_depth"),
     "lightning.pytorch.callbacks.WeightAveraging": ("_average_model", "_device", "_use_buffers", "_kwargs"),
@@ -88,6 +88,11 @@ def set_average_model(callback: Any, model: nn.Module) -> None:
 def non_persistent_buffers(module: nn.Module) -> set[str]:
     """The names of ``module``'s own buffers that its ``state_dict`` leaves out (``persistent=False``)."""
     return module._non_persistent_buffers_set
+
+
+def uses_distributed_sampler(trainer: Any) -> bool:
+    """``Trainer(use_distributed_sampler=...)`` as the Trainer keeps it (no public attribute)."""
+    return trainer._accelerator_connector.use_distributed_sampler
 
 
 def loop_data_source(trainer: Any, loop_name: str) -> Any:

@@ -34,7 +34,7 @@ from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy as _LightningParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
@@ -53,6 +53,8 @@ from lightning_parallel.compat import (
     attached_trainer,
     module_hidden_from_teardown,
     set_skip_backward,
+    tree_flatten,
+    uses_distributed_sampler,
 )
 from lightning_parallel.context_parallel import ContextParallel
 from lightning_parallel.data_parallel import GradientSynchronizer
@@ -70,6 +72,7 @@ from lightning_parallel.strategy.averaging import average_held_parts
 from lightning_parallel.strategy.checkpointing import SplitCheckpoints
 from lightning_parallel.strategy.clipping import clip_grads_by_global_norm
 from lightning_parallel.strategy.collectives import MeshCollectives
+from lightning_parallel.strategy.data_order import data_order_note
 from lightning_parallel.strategy.compose import split_model
 from lightning_parallel.strategy.experts import dense_part, gradient_synchronizer, log_tokens_per_expert
 from lightning_parallel.strategy.gradients import GradientFinalizer, shared_across_stages
@@ -169,6 +172,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         self._split_check: Optional[SplitChecker] = None  # the whole copies to compare the split with
         self.split_verification: Optional[Verification] = None  # what the check compared, and its cost
         self.parameter_share: Optional[Share] = None  # what the largest rank holds of the split model
+        self.data_order: Optional[str] = None  # the start-of-training note on the training batches' order
 
     # ---- what Lightning asks of a parallel strategy ---------------------------------------------
     @property
@@ -509,6 +513,15 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
                     return super().predict_step(*args, **kwargs)
             with self.precision_plugin.predict_step_context():
                 return self.pipeline.predict_step(*args, **kwargs)
+
+    @override
+    def on_train_start(self) -> None:
+        # the training loaders exist now: say whether Lightning's sampler reorders them (data_order.py)
+        trainer = self.lightning_module.trainer
+        loaders = tree_flatten(trainer.train_dataloader)[0]  # a loader, or a list or dict of them
+        self.data_order = data_order_note(loaders, uses_distributed_sampler(trainer), self.mesh.dp_size)
+        if self.data_order is not None:
+            rank_zero_info(self.data_order)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -491,3 +491,29 @@ def test_resnet_stage_split_into_pipeline_stages_matches_one_device(tmp_path):
     for record in records:
         assert_close_series(record["losses"], ref["losses"], atol=0, rtol=1e-9)
         assert_params_close(record["params"], ref["params"], atol=1e-12, rtol=1e-9)
+
+
+# ---- the order of the training batches --------------------------------------------------------
+class DataOrder(Callback):
+    """Saves, per rank, the strategy's note on the training batches' order (set when training starts)."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir = out_dir
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        torch.save(trainer.strategy.data_order, os.path.join(self.out_dir, f"order{trainer.global_rank}.pt"))
+
+
+@pytest.mark.timeout(60)
+def test_start_says_when_lightnings_sampler_reorders_a_loader_and_how_to_keep_its_order(tmp_path):
+    for sampler in (True, False):
+        out = tmp_path / str(sampler)
+        out.mkdir()
+        run(out, "tp", lambda: dict(max_steps=1, callbacks=[DataOrder(str(out))]), distributed_sampler=sampler)
+        notes = {torch.load(out / f"order{r}.pt") for r in range(2)}
+        if sampler:  # the plain loader (no shuffle) is read in Lightning's shuffled order, as under ddp
+            (note,) = notes
+            assert "DistributedSampler(shuffle=True)" in note and "strategy='ddp' on 1 device" in note
+            assert "Trainer(use_distributed_sampler=False)" in note
+        else:
+            assert notes == {None}
