@@ -41,9 +41,11 @@ from torch.utils._pytree import tree_flatten, tree_map  # noqa: F401 - re-export
 #: checked by ``tests/strategy/test_compat.py``.
 OVERRIDDEN = {
     "lightning.pytorch.strategies.Strategy": ("_configure_launcher", "_launcher", "_lightning_module"),
-    "lightning.pytorch.Trainer": ("_data_connector",),
+    "lightning.pytorch.Trainer": ("_data_connector", "_accelerator_connector"),
     "lightning.pytorch.strategies.ParallelStrategy": ("_layer_sync",),
     "lightning.pytorch.callbacks.ModelSummary": ("_summary", "_max_depth"),
+    "lightning.pytorch.callbacks.WeightAveraging": ("_average_model", "_device", "_use_buffers", "_kwargs"),
+    "lightning.pytorch.callbacks.StochasticWeightAveraging": ("_average_model", "_device"),
     "lightning.pytorch.strategies.launchers.multiprocessing._MultiProcessingLauncher": (
         "_collect_rank_zero_results", "_recover_results_in_main_process", "_already_fit", "_strategy", "_start_method",
     ),
@@ -70,6 +72,27 @@ def replace_summary(callback: Any, summary: Any) -> None:
     """Make a ``ModelSummary`` callback build its summary with ``summary(pl_module, max_depth)``
     (the callback has no public way to choose the summary class)."""
     callback._summary = lambda trainer, pl_module: summary(pl_module, callback._max_depth)
+
+
+def averaging_arguments(callback: Any) -> tuple[Any, bool, dict]:
+    """``(device, use_buffers, AveragedModel's other arguments)`` a ``WeightAveraging`` callback was given."""
+    return callback._device, callback._use_buffers, callback._kwargs
+
+
+def set_average_model(callback: Any, model: nn.Module) -> None:
+    """Make a ``WeightAveraging`` (an ``AveragedModel``) or ``StochasticWeightAveraging`` (a module) callback
+    average into ``model`` (neither has a public way to choose what it copies)."""
+    callback._average_model = model
+
+
+def non_persistent_buffers(module: nn.Module) -> set[str]:
+    """The names of ``module``'s own buffers that its ``state_dict`` leaves out (``persistent=False``)."""
+    return module._non_persistent_buffers_set
+
+
+def uses_distributed_sampler(trainer: Any) -> bool:
+    """``Trainer(use_distributed_sampler=...)`` as the Trainer keeps it (no public attribute)."""
+    return trainer._accelerator_connector.use_distributed_sampler
 
 
 def loop_data_source(trainer: Any, loop_name: str) -> Any:

@@ -1,10 +1,11 @@
 """Trainer features that would silently do something else on a model whose ranks hold different parts.
 
 A split model (TP shards, pipeline stages, placed experts, or ZeRO-2/3 rows) is refused, before any
-process group exists, with Trainer features that assume every rank holds the whole model: stochastic
-weight averaging (a copy of the whole model taken before the split), ``sync_batchnorm`` under ZeRO-2/3
-(layers replaced after the parameters were sharded), and a ``CheckpointIO`` plugin (a split model
-writes a directory of shards itself).
+process group exists, with Trainer features that assume every rank holds the whole model or runs
+Lightning's backward: stochastic weight averaging under pipeline parallelism (it switches Lightning's
+backward on again at each epoch end; elsewhere each rank averages its own part: ``strategy/averaging.py``),
+``sync_batchnorm`` under ZeRO-2/3 (layers replaced after the parameters were sharded), and a
+``CheckpointIO`` plugin (a split model writes a directory of shards itself).
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.fabric.plugins import TorchCheckpointIO
-from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 
 from lightning_parallel.errors import LaunchError
 from lightning_parallel.options import ParallelOptions
 
 
-def _layout(options: ParallelOptions) -> str:
+def split_layout(options: ParallelOptions) -> str:
     parts = [f"tensor_parallel={options.tp}", f"pipeline_parallel={options.pp}"]
     if options.ep > 1:
         parts.append(f"expert_parallel={options.ep}")
@@ -27,16 +28,33 @@ def _layout(options: ParallelOptions) -> str:
     return ", ".join(parts)
 
 
+def averaging_callbacks(trainer: Any) -> list:
+    """The weight-averaging callbacks of ``trainer`` (``WeightAveraging``, ``EMAWeightAveraging``, SWA)."""
+    return [c for c in trainer.callbacks if isinstance(c, (WeightAveraging, StochasticWeightAveraging))]
+
+
+def averaged_checkpoint_refusal(callback: Any, split: str) -> str:
+    """Why a split model's checkpoint cannot hold ``callback``'s average (each rank's part of it)."""
+    return (f"Trainer(callbacks=[{type(callback).__name__}(...)]) with checkpoints is not supported with {split}: "
+            "each rank averages the part of the model it holds, and a split model's checkpoint does not yet "
+            "write those parts.")
+
+
 def refuse_split_model_flags(trainer: Any, options: ParallelOptions, layer_sync: Any, checkpoint_io: Any) -> None:
     """Raise ``LaunchError`` for a Trainer feature ``trainer`` uses that a split model would not honour."""
-    split = _layout(options)
-    if any(isinstance(callback, StochasticWeightAveraging) for callback in trainer.callbacks):
+    split = split_layout(options)
+    if options.pp > 1 and any(isinstance(callback, StochasticWeightAveraging) for callback in trainer.callbacks):
         raise LaunchError(
-            f"Trainer(callbacks=[StochasticWeightAveraging(...)]) is not supported with {split}: it averages "
-            "a copy of the whole model taken before the split, and it switches Lightning's backward off and on "
-            "again, which the pipeline relies on. Remove the callback, or average weights with "
-            "DataParallelStrategy (data parallelism only, zero_stage 0 or 1)."
+            f"Trainer(callbacks=[StochasticWeightAveraging(...)]) is not supported with {split}: it switches "
+            "Lightning's backward back on at every epoch end, and the pipeline runs backward itself inside "
+            "training_step. Average weights with EMAWeightAveraging or WeightAveraging(avg_fn=...) "
+            "(lightning.pytorch.callbacks), which work with pipeline_parallel, or train with pipeline_parallel=1."
         )
+    averaging = averaging_callbacks(trainer)
+    if averaging and trainer.checkpoint_callbacks:
+        raise LaunchError(averaged_checkpoint_refusal(averaging[0], split) + " Pass Trainer(enable_checkpointing=False) "
+                          "(the average is still computed, and copied into the model when training ends), or train "
+                          "with DataParallelStrategy (zero_stage 0 or 1), whose checkpoints hold the average.")
     if options.shards_parameters and layer_sync is not None:
         raise LaunchError(
             f"Trainer(sync_batchnorm=True) is not supported with {split}: it replaces the BatchNorm layers "

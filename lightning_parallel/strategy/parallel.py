@@ -25,7 +25,7 @@ by popen or torchrun), or receive the trained full weights in the parent process
 from __future__ import annotations
 
 import weakref
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Generator, Literal, Optional, Union
 
@@ -36,7 +36,7 @@ from lightning.pytorch.plugins import TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy as _LightningParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
@@ -54,6 +54,8 @@ from lightning_parallel.compat import (
     attached_trainer,
     module_hidden_from_teardown,
     set_skip_backward,
+    tree_flatten,
+    uses_distributed_sampler,
 )
 from lightning_parallel.context_parallel import ContextParallel
 from lightning_parallel.data_parallel import GradientSynchronizer
@@ -67,9 +69,11 @@ from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline.partition import find_blocks
 from lightning_parallel.planner import SearchResult
 from lightning_parallel.planner.auto import choose_for
+from lightning_parallel.strategy.averaging import average_held_parts
 from lightning_parallel.strategy.checkpointing import SplitCheckpoints
 from lightning_parallel.strategy.clipping import clip_grads_by_global_norm
 from lightning_parallel.strategy.collectives import MeshCollectives
+from lightning_parallel.strategy.data_order import data_order_note
 from lightning_parallel.strategy.compose import split_model
 from lightning_parallel.strategy.experts import dense_part, gradient_synchronizer, log_tokens_per_expert
 from lightning_parallel.strategy.gradients import GradientFinalizer, shared_across_stages
@@ -159,6 +163,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         self.fully_sharded: Optional[FullySharded] = None  # ZeRO-2/3
         self.experts: Optional[ExpertParallel] = None  # the placed experts, when expert_parallel > 1
         self._sync_blocked = False
+        self._backward_split = ExitStack()  # the sequence split from pre_backward to post_backward
         self._requeue = DeferredRequeue(None)
         self._unsplit_counts: dict[str, tuple[int, int]] = {}  # parameters per module before the split
         self._first_step: Optional[FirstStepCheck] = None  # the split checked in the first step (checks/first_step.py)
@@ -169,6 +174,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         self._split_check: Optional[SplitChecker] = None  # the whole copies to compare the split with
         self.split_verification: Optional[Verification] = None  # what the check compared, and its cost
         self.parameter_share: Optional[Share] = None  # what the largest rank holds of the split model
+        self.data_order: Optional[str] = None  # the start-of-training note on the training batches' order
 
     # ---- what Lightning asks of a parallel strategy ---------------------------------------------
     @property
@@ -343,6 +349,8 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         sync_metrics_per_replica(module, self.mesh)  # TP ranks' identical metric states count once
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
+            # the averaging callbacks copied the module before the split (and before rank 0's values reached all)
+            average_held_parts(trainer.callbacks, module)
             self._prepare_training(trainer, module)
         self.setup_precision_plugin()
         if self.is_model_split or self.zero is not None or self.fully_sharded is not None:
@@ -518,6 +526,15 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
                 return self.pipeline.predict_step(*args, **kwargs)
 
     @override
+    def on_train_start(self) -> None:
+        # the training loaders exist now: say whether Lightning's sampler reorders them (data_order.py)
+        trainer = self.lightning_module.trainer
+        loaders = tree_flatten(trainer.train_dataloader)[0]  # a loader, or a list or dict of them
+        self.data_order = data_order_note(loaders, uses_distributed_sampler(trainer), self.mesh.dp_size)
+        if self.data_order is not None:
+            rank_zero_info(self.data_order)
+
+    @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # Lightning registers its signal handlers after setup; take the requeue one over once
         self._requeue.install()
@@ -539,16 +556,21 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
             self._sync_blocked = False
 
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
-        # blocks that activation checkpointing recomputes split their sequence again, and attend over the ring
-        with self._sequence_split():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        # blocks that activation checkpointing recomputes split their sequence again, and attend over the ring.
+        # Entered here and left in post_backward, around Lightning's own ``Strategy.backward``, which this
+        # class leaves as it is (tests that wrap ``Strategy.backward`` then call it once, as under ``ddp``)
+        self._backward_split = ExitStack()
+        self._backward_split.enter_context(self._sequence_split())
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
         # after the window's last backward (manual optimisation: after every manual_backward)
-        if not self._sync_blocked:
-            self.finalize_gradients()
+        try:
+            if not self._sync_blocked:
+                self.finalize_gradients()
+        finally:
+            self._backward_split.close()
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         params = list(self.precision_plugin.main_params(optimizer))

@@ -4,15 +4,15 @@ from types import SimpleNamespace
 
 import pytest
 from lightning.fabric.plugins import TorchCheckpointIO
-from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, StochasticWeightAveraging
 from lightning.pytorch.plugins import AsyncCheckpointIO
 
 from lightning_parallel.checks.trainer_flags import refuse_split_model_flags
 from lightning_parallel.errors import LaunchError
 from lightning_parallel.options import ParallelOptions
 
-SWA = SimpleNamespace(callbacks=[StochasticWeightAveraging(swa_lrs=1e-2)])
-PLAIN = SimpleNamespace(callbacks=[])
+SWA = SimpleNamespace(callbacks=[StochasticWeightAveraging(swa_lrs=1e-2)], checkpoint_callbacks=[])
+PLAIN = SimpleNamespace(callbacks=[], checkpoint_callbacks=[])
 
 
 @pytest.mark.parametrize("options, named", [
@@ -21,10 +21,26 @@ PLAIN = SimpleNamespace(callbacks=[])
     (ParallelOptions(zero_stage=3), "zero_stage=3"),
 ])
 def test_refusal_names_the_layout(options, named):
-    with pytest.raises(LaunchError, match=f"StochasticWeightAveraging.*not supported with .*{named}"):
-        refuse_split_model_flags(SWA, options, None, TorchCheckpointIO())
     with pytest.raises(LaunchError, match=f"AsyncCheckpointIO.*not supported with .*{named}"):
         refuse_split_model_flags(PLAIN, options, None, AsyncCheckpointIO())
+
+
+def test_stochastic_weight_averaging_is_refused_only_under_pipeline_parallelism():
+    for options in (ParallelOptions(tensor_parallel=2), ParallelOptions(zero_stage=3)):
+        refuse_split_model_flags(SWA, options, None, TorchCheckpointIO())  # each rank averages its part
+    with pytest.raises(LaunchError, match=r"StochasticWeightAveraging.*not supported with .*pipeline_parallel=2"):
+        refuse_split_model_flags(SWA, ParallelOptions(pipeline_parallel=2, tensor_parallel=2), None,
+                                 TorchCheckpointIO())
+
+
+def test_weight_averaging_with_checkpoints_is_refused_on_a_split_model():
+    ema, checkpoint = EMAWeightAveraging(), ModelCheckpoint()
+    saving = SimpleNamespace(callbacks=[ema, checkpoint], checkpoint_callbacks=[checkpoint])
+    for options in (ParallelOptions(tensor_parallel=2), ParallelOptions(zero_stage=3)):
+        refuse_split_model_flags(SimpleNamespace(callbacks=[ema], checkpoint_callbacks=[]), options, None,
+                                 TorchCheckpointIO())
+        with pytest.raises(LaunchError, match=r"EMAWeightAveraging.*with checkpoints.*enable_checkpointing=False"):
+            refuse_split_model_flags(saving, options, None, TorchCheckpointIO())
 
 
 def test_sync_batchnorm_is_refused_only_where_parameters_are_sharded():

@@ -329,13 +329,20 @@ def test_checkpoint_io_plugins_write_the_checkpoints_of_dp(tmp_path):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("layout", SPLIT)
 @pytest.mark.parametrize("flags, named", [
-    (swa_flags, "StochasticWeightAveraging"),
     (lambda: dict(plugins=[_Saves()]), r"plugins=\[_Saves"),
     (lambda: dict(plugins=[AsyncCheckpointIO()]), r"plugins=\[AsyncCheckpointIO"),
-], ids=["swa", "checkpoint_io", "async_checkpoint_io"])
+], ids=["checkpoint_io", "async_checkpoint_io"])
 def test_split_model_refuses_flags_it_cannot_honour(tmp_path, layout, flags, named):
     with pytest.raises(Exception, match=named):
         run(tmp_path, layout, flags)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("layout", ["pp", "3d"])
+def test_stochastic_weight_averaging_is_refused_under_pipeline_parallelism(tmp_path, layout):
+    # it switches Lightning's backward on again at each epoch end; EMA and TP/ZeRO: test_weight_averaging.py
+    with pytest.raises(Exception, match=r"StochasticWeightAveraging.*EMAWeightAveraging"):
+        run(tmp_path, layout, swa_flags)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -486,3 +493,29 @@ def test_resnet_stage_split_into_pipeline_stages_matches_one_device(tmp_path):
     for record in records:
         assert_close_series(record["losses"], ref["losses"], atol=0, rtol=1e-9)
         assert_params_close(record["params"], ref["params"], atol=1e-12, rtol=1e-9)
+
+
+# ---- the order of the training batches --------------------------------------------------------
+class DataOrder(Callback):
+    """Saves, per rank, the strategy's note on the training batches' order (set when training starts)."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir = out_dir
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        torch.save(trainer.strategy.data_order, os.path.join(self.out_dir, f"order{trainer.global_rank}.pt"))
+
+
+@pytest.mark.timeout(60)
+def test_start_says_when_lightnings_sampler_reorders_a_loader_and_how_to_keep_its_order(tmp_path):
+    for sampler in (True, False):
+        out = tmp_path / str(sampler)
+        out.mkdir()
+        run(out, "tp", lambda: dict(max_steps=1, callbacks=[DataOrder(str(out))]), distributed_sampler=sampler)
+        notes = {torch.load(out / f"order{r}.pt") for r in range(2)}
+        if sampler:  # the plain loader (no shuffle) is read in Lightning's shuffled order, as under ddp
+            (note,) = notes
+            assert "DistributedSampler(shuffle=True)" in note and "strategy='ddp' on 1 device" in note
+            assert "Trainer(use_distributed_sampler=False)" in note
+        else:
+            assert notes == {None}
