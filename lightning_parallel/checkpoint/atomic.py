@@ -57,8 +57,9 @@ def staged(path: Path, suffix: str) -> Path:
 
 # ---- save (every rank) -------------------------------------------------------------------------
 def save_pieces(path: Path, write: Callable[[Path], list[str]], finish: Callable[[Path, list[str]], list[str]],
-                is_rank_zero: bool) -> None:
-    """Write checkpoint directory ``path`` by the protocol above; a collective over the world.
+                is_rank_zero: bool, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Write checkpoint directory ``path`` by the protocol above; a collective over ``group`` (every
+    process; the default group when None).
 
     write(folder): this rank writes its pieces into ``folder`` and returns their file names.
     finish(folder, names): rank 0, once every piece is written, writes the files that list the
@@ -66,15 +67,15 @@ def save_pieces(path: Path, write: Callable[[Path], list[str]], finish: Callable
     On failure every rank raises ``CheckpointSaveError`` naming the ranks that failed and why.
     """
     partial = staged(path, PARTIAL)
-    _agree(path, _attempt(lambda: _begin(partial) if is_rank_zero else {}), is_rank_zero)
-    written = _agree(path, _attempt(lambda: _sizes(partial, write(partial))), is_rank_zero)
+    _agree(path, _attempt(lambda: _begin(partial) if is_rank_zero else {}), is_rank_zero, group)
+    written = _agree(path, _attempt(lambda: _sizes(partial, write(partial))), is_rank_zero, group)
 
     def commit() -> dict[str, int]:
         if is_rank_zero:
             _commit(path, {**written, **_sizes(partial, finish(partial, sorted(written)))})
         return {}
 
-    _agree(path, _attempt(commit), is_rank_zero)
+    _agree(path, _attempt(commit), is_rank_zero, group)
 
 
 def write_file(obj: Any, file: Path) -> None:
@@ -92,12 +93,13 @@ def _attempt(step: Callable[[], Any]) -> tuple[Any, Optional[BaseException]]:
         return None, err
 
 
-def _agree(path: Path, outcome: tuple[Any, Optional[BaseException]], is_rank_zero: bool) -> dict[str, int]:
+def _agree(path: Path, outcome: tuple[Any, Optional[BaseException]], is_rank_zero: bool,
+           group: Optional[dist.ProcessGroup]) -> dict[str, int]:
     """Every rank's result merged, once every rank has finished its step; raises on all if one failed."""
     result, error = outcome
     mine = (result or {}, None if error is None else f"rank {dist.get_rank()}: {type(error).__name__}: {error}")
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
     failures = [message for _, message in every if message is not None]
     if failures:
         if is_rank_zero:  # give the space back; a failure here must not hide the one being reported

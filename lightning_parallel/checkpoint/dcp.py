@@ -109,15 +109,17 @@ def _rows(tensor: DTensor, shape: tuple[int, ...], shard: Any, tp_rank: int, tp_
     return tensor.to_local(), shape, slice_chunks(shape, shard, tp_rank, tp_size, *local_slice(tensor))
 
 
-def save_chunks(folder: Path, tensors: ChunkedTensors, objects: dict[str, Any]) -> list[str]:
+def save_chunks(folder: Path, tensors: ChunkedTensors, objects: dict[str, Any],
+                group: Optional[dist.ProcessGroup] = None) -> list[str]:
     """Write this rank's chunks into ``folder`` with DCP; return the files this rank wrote.
 
-    A collective over the world: every rank writes ``__<rank>_0.distcp``, rank 0 also ``.metadata``.
-    If this rank failed it raises its own error; a failure elsewhere is reported by its rank.
+    A collective over ``group``, which spans every process (the default group when None): every
+    rank writes ``__<rank>_0.distcp``, rank 0 also ``.metadata``. If this rank failed it raises its
+    own error; a failure elsewhere is reported by its rank.
     """
     writer = FileSystemWriter(folder, single_file_per_rank=True, sync_files=True, thread_count=1)
     try:
-        dcp.save({}, storage_writer=writer, planner=ChunkSavePlanner(tensors, objects))
+        dcp.save({}, storage_writer=writer, planner=ChunkSavePlanner(tensors, objects), process_group=group)
     except CheckpointException as err:  # raised on every rank when any rank failed
         mine = err.failures.get(dist.get_rank())
         if mine is not None:

@@ -32,6 +32,7 @@ from lightning_parallel.checkpoint.atomic import (
     save_pieces,
     write_file,
 )
+from lightning_parallel.checkpoint.background import BackgroundSaves
 from lightning_parallel.checkpoint.format import (
     FORMAT_VERSION,
     CheckpointMismatchError,
@@ -128,11 +129,15 @@ def _group_names(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> lis
 
 
 # ---- save ------------------------------------------------------------------------------------
-def save_sharded(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> None:
+def save_sharded(strategy: Any, checkpoint: dict[str, Any], filepath: Any,
+                 background: Optional[BackgroundSaves] = None) -> None:
     """Write ``checkpoint`` (Lightning's dict, from this rank) as a sharded checkpoint directory.
 
     It replaces an existing checkpoint only once every piece is written (``atomic.save_pieces``); if
     any rank fails, every rank raises ``CheckpointSaveError`` and the previous checkpoint stays.
+    With ``background``, the tensors are staged in host memory and the write runs on its thread
+    (``background.py``): this returns once they are staged, and the error of a failed write is
+    raised by the next save, load or teardown.
     """
     path = Path(strategy.broadcast(str(filepath)))
     mesh, module = strategy.mesh, strategy.lightning_module
@@ -159,6 +164,13 @@ def save_sharded(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> No
         "order": _stage_order(module, strategy.pipeline, names),
         "groups": [[group["params"] for group in n["param_groups"]] for n in named],
     }
+    # hyper-parameters of each group; the state is in the DCP files, by parameter name
+    optimizers = [{"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in n["param_groups"]]}
+                  for n in named]
+    group = None
+    if background is not None:  # what is written from now on are copies: training may go on
+        chunked, objects, rest, optimizers = background.stage((chunked, objects, rest, optimizers))
+        group = background.group
 
     def finish(folder: Path, pieces: list[str]) -> list[str]:
         rest["lightning_parallel"] = {
@@ -166,14 +178,19 @@ def save_sharded(strategy: Any, checkpoint: dict[str, Any], filepath: Any) -> No
             "layout": {"tensor_parallel": mesh.tp_size, "pipeline_parallel": mesh.pp_size,
                        "data_parallel": mesh.dp_size},
             "pieces": [META_FILE, *pieces],
-            # hyper-parameters of each group; the state is in the DCP files, by parameter name
-            "optimizers": [{"param_groups": [{k: v for k, v in g.items() if k != "params"} for g in n["param_groups"]]}
-                           for n in named],
+            "optimizers": optimizers,
         }
         write_file(rest, folder / META_FILE)
         return [META_FILE]
 
-    save_pieces(path, lambda folder: dcp.save_chunks(folder, chunked, objects), finish, strategy.global_rank == 0)
+    def save() -> None:
+        save_pieces(path, lambda folder: dcp.save_chunks(folder, chunked, objects, group), finish,
+                    strategy.global_rank == 0, group)
+
+    if background is not None:
+        background.submit(save)
+    else:
+        save()
 
 
 def _zero_slices(strategy: Any, names: dict[int, str]) -> dict[str, tuple[int, int]]:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 
+from lightning_parallel.checkpoint.background import writes_default_files
 from lightning_parallel.errors import LaunchError
 from lightning_parallel.options import ParallelOptions
 
@@ -61,10 +61,17 @@ def refuse_split_model_flags(trainer: Any, options: ParallelOptions, layer_sync:
             "once the model is set up, after ZeRO has sharded their parameters, so the new layers would hold "
             "the shards. Train with zero_stage 0 or 1 (optimizer state sharded), or without sync_batchnorm."
         )
-    if type(checkpoint_io) is not TorchCheckpointIO:
+    if not writes_default_files(checkpoint_io):
         raise LaunchError(
-            f"Trainer(plugins=[{type(checkpoint_io).__name__}(...)]) is not supported with {split}: a split "
-            "model writes its checkpoint as a Distributed Checkpoint directory, one file per rank, without a "
-            "CheckpointIO plugin. Remove the plugin (checkpoints are written synchronously), or use it with "
-            "DataParallelStrategy (zero_stage 0 or 1)."
+            f"Trainer(plugins=[{_plugin(checkpoint_io)}]) is not supported with {split}: a split model writes "
+            "its checkpoint as a Distributed Checkpoint directory, one file per rank, without a CheckpointIO "
+            "plugin. Remove the plugin, or write in the background with Trainer(plugins=[AsyncCheckpointIO()]) "
+            "or the strategy's async_checkpoint=True; or use the plugin with DataParallelStrategy (zero_stage "
+            "0 or 1)."
         )
+
+
+def _plugin(checkpoint_io: Any) -> str:
+    inner = getattr(checkpoint_io, "checkpoint_io", None)
+    wrapped = f"{type(inner).__name__}(...)" if inner is not None and inner is not checkpoint_io else "..."
+    return f"{type(checkpoint_io).__name__}({wrapped})"

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_parallel.checkpoint import consolidate, save_sharded
@@ -88,6 +90,11 @@ class MultiProcessingLauncher(_MultiProcessingLauncher):
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> Optional[_WorkerOutput]:
+        # the parent reads the weights file as soon as this worker ends: it must be written now
+        with synchronous_writes(self._strategy):
+            return self._rank_zero_results(trainer, results)
+
+    def _rank_zero_results(self, trainer: Any, results: Any) -> Optional[_WorkerOutput]:
         full_state = None
         if trainer.state.fn == TrainerFn.FITTING and self._strategy.splits_parameters:
             full_state = gather_full_state_dict(self._strategy)  # collective: every rank takes part
@@ -115,6 +122,20 @@ class MultiProcessingLauncher(_MultiProcessingLauncher):
             self._strategy.checkpoint_io.remove_checkpoint(worker_output.weights_path)
             worker_output = worker_output._replace(weights_path=None)
         super()._recover_results_in_main_process(worker_output, trainer)
+
+
+@contextmanager
+def synchronous_writes(strategy: Any) -> Iterator[None]:
+    """Inside, ``strategy.checkpoint_io`` writes before returning: ``AsyncCheckpointIO`` is set aside."""
+    plugin = strategy.checkpoint_io
+    if type(plugin) is not AsyncCheckpointIO:
+        yield
+        return
+    strategy.checkpoint_io = plugin.checkpoint_io
+    try:
+        yield
+    finally:
+        strategy.checkpoint_io = plugin
 
 
 def gather_full_state_dict(strategy: Any) -> Optional[dict[str, torch.Tensor]]:

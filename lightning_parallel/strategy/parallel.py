@@ -45,6 +45,7 @@ from typing_extensions import override
 from lightning_parallel.checks.launch import validate_launch
 from lightning_parallel.checks.first_step import FirstStepCheck
 from lightning_parallel.checks.share import Share
+from lightning_parallel.checkpoint.background import BackgroundSaves
 from lightning_parallel.checks.trainer_flags import refuse_split_model_flags
 from lightning_parallel.checks.verify_split import SplitChecker, Verification, check_split_against_whole
 from lightning_parallel.compat import (
@@ -101,6 +102,9 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         start_method: ``"popen"`` (run the script once per rank, as torchrun does), ``"spawn"``,
             ``"fork"`` or ``"forkserver"``, as in Lightning's ``DDPStrategy``.
         timeout: timeout of collective operations.
+        async_checkpoint: stage each checkpoint in host memory and write it in the background while
+            training goes on (``checkpoint/background.py``), as Lightning's ``AsyncCheckpointIO``
+            plugin asks for too.
     """
 
     strategy_name = "lp_3d"
@@ -126,6 +130,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         verify_split: bool = True,
         start_method: StartMethod = "popen",
         timeout: Union[timedelta, float] = timedelta(minutes=30),
+        async_checkpoint: bool = False,
         process_group_backend: Optional[str] = None,
         accelerator: Any = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -154,6 +159,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         self._start_method = start_method
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
         self._process_group_backend = process_group_backend
+        self._async_checkpoint = async_checkpoint
         self._num_nodes = 1
         self.mesh: Optional[ParallelMesh] = None
         self.grad_sync: Optional[GradientSynchronizer] = None
@@ -316,6 +322,8 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         if self.mesh is None:  # a later Trainer call in the same process keeps the groups
             self.mesh = mesh.init_process_groups(self.global_rank, self.root_device.type)
+            if self.async_checkpoint:
+                self.background_saves = BackgroundSaves(self._timeout)
         self._requeue = DeferredRequeue(self.cluster_environment)
 
     def _checks_model(self, module: Any) -> bool:
@@ -594,6 +602,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
 
     @override
     def teardown(self) -> None:
+        self.wait_for_checkpoint()  # the end of fit: the last checkpoint is on disk before the processes end
         if self.grad_sync is not None:
             self.grad_sync.remove()
             self.grad_sync = None

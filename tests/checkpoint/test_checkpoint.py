@@ -85,9 +85,10 @@ def tiny_gpt(**overrides) -> GPT:
 
 
 def train(out: Path, devices: int = 1, tp: int = 1, pp: int = 1, steps: int = STEPS, ckpt_path=None,
-          save_to: Path | None = None, checkpoint: ModelCheckpoint | None = None, **strategy_args) -> list[dict]:
+          save_to: Path | None = None, checkpoint: ModelCheckpoint | None = None, plugins: list | None = None,
+          **strategy_args) -> list[dict]:
     """Fit the tiny GPT to ``steps``; with ``save_to``, a ModelCheckpoint keeps the latest step there
-    (``checkpoint`` replaces that callback)."""
+    (``checkpoint`` replaces that callback); ``plugins`` go to the Trainer."""
     strategy = "auto" if devices == 1 else ParallelStrategy(
         tensor_parallel=tp, pipeline_parallel=pp, start_method="fork", timeout=60, **strategy_args
     )
@@ -100,15 +101,15 @@ def train(out: Path, devices: int = 1, tp: int = 1, pp: int = 1, steps: int = ST
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
         enable_checkpointing=checkpoint is not None, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, callbacks=callbacks, default_root_dir=str(out),
+        use_distributed_sampler=False, callbacks=callbacks, default_root_dir=str(out), plugins=plugins,
     )
     trainer.fit(tiny_gpt(), datamodule=StepData(), ckpt_path=ckpt_path)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)]
 
 
-def half_run(out: Path, devices: int, tp: int = 1, pp: int = 1, **strategy_args) -> Path:
+def half_run(out: Path, devices: int, tp: int = 1, pp: int = 1, **train_args) -> Path:
     """Train the first HALF steps on a layout; return the single checkpoint ModelCheckpoint kept."""
-    train(out / "run", devices, tp, pp, steps=HALF, save_to=out / "ckpt", **strategy_args)
+    train(out / "run", devices, tp, pp, steps=HALF, save_to=out / "ckpt", **train_args)
     kept = sorted((out / "ckpt").iterdir())
     assert [p.name for p in kept] == [f"epoch=0-step={HALF}.ckpt"], kept  # older ones were removed
     return kept[0]

@@ -21,8 +21,17 @@ PLAIN = SimpleNamespace(callbacks=[], checkpoint_callbacks=[])
     (ParallelOptions(zero_stage=3), "zero_stage=3"),
 ])
 def test_refusal_names_the_layout(options, named):
-    with pytest.raises(LaunchError, match=f"AsyncCheckpointIO.*not supported with .*{named}"):
-        refuse_split_model_flags(PLAIN, options, None, AsyncCheckpointIO())
+    with pytest.raises(LaunchError, match=rf"AsyncCheckpointIO\(_Custom.*not supported with .*{named}"):
+        refuse_split_model_flags(PLAIN, options, None, AsyncCheckpointIO(_Custom()))
+
+
+class _Custom(TorchCheckpointIO):
+    """A writer of the user's: a split model writes its shards itself, so it would be bypassed."""
+
+
+def test_async_checkpoint_io_over_the_default_writer_is_accepted():
+    for plugin in (AsyncCheckpointIO(), AsyncCheckpointIO(TorchCheckpointIO())):
+        refuse_split_model_flags(PLAIN, ParallelOptions(tensor_parallel=2, pipeline_parallel=2), None, plugin)
 
 
 def test_stochastic_weight_averaging_is_refused_only_under_pipeline_parallelism():

@@ -60,6 +60,13 @@ def test_every_parallel_preset_takes_zero_shard_size_without_plus(group):
     assert instantiate(cfg.strategy).options.zero_shard_size == 2
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("group", ["dp", "tp", "pp", "3d", "cp", "ep", "auto"])
+def test_every_parallel_preset_takes_async_checkpoint_without_plus(group):
+    assert not instantiate(_compose(f"strategy={group}").strategy).async_checkpoint
+    assert instantiate(_compose(f"strategy={group}", "strategy.async_checkpoint=true").strategy).async_checkpoint
+
+
 @pytest.mark.timeout(60)
 def test_single_process_run_lowers_validation_loss(tmp_path):
     cfg = _compose(

@@ -330,7 +330,7 @@ def test_checkpoint_io_plugins_write_the_checkpoints_of_dp(tmp_path):
 @pytest.mark.parametrize("layout", SPLIT)
 @pytest.mark.parametrize("flags, named", [
     (lambda: dict(plugins=[_Saves()]), r"plugins=\[_Saves"),
-    (lambda: dict(plugins=[AsyncCheckpointIO()]), r"plugins=\[AsyncCheckpointIO"),
+    (lambda: dict(plugins=[AsyncCheckpointIO(_Saves())]), r"plugins=\[AsyncCheckpointIO\(_Saves"),
 ], ids=["checkpoint_io", "async_checkpoint_io"])
 def test_split_model_refuses_flags_it_cannot_honour(tmp_path, layout, flags, named):
     with pytest.raises(Exception, match=named):
