@@ -3,8 +3,9 @@ preemption, and tasks killed on one node.
 
 CI brings up a two-node SLURM on this machine with `.ci/local_slurm.sh up` (a slurmd per node).
 Elsewhere these tests skip when no SLURM answers; with CI=true a missing SLURM fails them instead.
-Every wait is bounded, and a job still running at its deadline is cancelled, so a hung collective
-fails the test rather than the CI job.
+Every wait is bounded (a training job by ``JOB_TIMEOUT`` s, 300 unless ``LP_SLURM_JOB_TIMEOUT``
+says more, for a machine shared with other work), and a job still running at its deadline is
+cancelled, so a hung collective fails the test rather than the CI job.
 
 Losses of a resumed run are compared with the uninterrupted run's at the same steps within 1e-5:
 both are the same float32 computation in the same order on the same layout, the checkpoint holds
@@ -26,6 +27,7 @@ import pytest
 import torch
 
 SBATCH_SCRIPT = Path(__file__).parents[2] / "recipes/slurm/train.sbatch"
+JOB_TIMEOUT = float(os.environ.get("LP_SLURM_JOB_TIMEOUT", 300))
 LOSS_ATOL = 1e-5
 # The 3D recipe (TP2 x PP2) on two nodes of two tasks: a TP group inside each node, the pipeline across
 # them. 45 steps with a checkpoint every 15, so that a run can be killed between two of them.
@@ -142,10 +144,10 @@ def check_trained(run_dir: Path, log: str, steps: int) -> None:
     assert "peak per device" in log  # lp-plan checked the layout before srun
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
 def test_sbatch_recipe_completes_with_falling_loss_and_checkpoint(slurm, tmp_path):
     job = sbatch(tmp_path, "--ntasks-per-node=2", str(SBATCH_SCRIPT), "+recipe=gpt2_cpu_dp2")
-    state = wait_for(job, timeout=200)
+    state = wait_for(job, timeout=JOB_TIMEOUT)
     log = (tmp_path / f"lp-train-{job}.out").read_text()
     assert state == "COMPLETED", log[-3000:]
     check_trained(tmp_path / f"runs/lp-train-{job}", log, steps=30)
@@ -156,11 +158,11 @@ def two_node_run(two_nodes, tmp_path_factory):
     """The 3D recipe on two nodes, uninterrupted: (job id, log, run folder, final state)."""
     cwd = tmp_path_factory.mktemp("two_nodes")
     job = sbatch(cwd, *TWO_NODES, str(SBATCH_SCRIPT), *THREE_D_ON_TWO_NODES)
-    state = wait_for(job, timeout=220)
+    state = wait_for(job, timeout=JOB_TIMEOUT)
     return job, (cwd / f"lp-train-{job}.out").read_text(), cwd / f"runs/lp-train-{job}", state
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
 def test_3d_recipe_trains_across_two_nodes_with_tp_inside_each(two_node_run):
     job, log, run_dir, state = two_node_run
     assert state == "COMPLETED", log[-3000:]
@@ -174,14 +176,14 @@ def test_3d_recipe_trains_across_two_nodes_with_tp_inside_each(two_node_run):
     check_trained(run_dir, log, steps=45)
 
 
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(3 * JOB_TIMEOUT + 120)
 def test_job_whose_tasks_on_one_node_are_killed_is_requeued_and_resumes_with_the_uninterrupted_losses(
     two_node_run, tmp_path
 ):
     uninterrupted = dict(train_losses(two_node_run[2]))
     job = sbatch(tmp_path, *TWO_NODES, str(SBATCH_SCRIPT), *THREE_D_ON_TWO_NODES)
     run_dir = tmp_path / f"runs/lp-train-{job}"
-    deadline = time.monotonic() + 220
+    deadline = time.monotonic() + JOB_TIMEOUT
     while not (run_dir / "checkpoints/last.ckpt").exists():  # training has saved its first checkpoint
         assert time.monotonic() < deadline and job_state(job) in ("PENDING", "RUNNING"), job_state(job)
         time.sleep(0.5)
@@ -196,7 +198,7 @@ def test_job_whose_tasks_on_one_node_are_killed_is_requeued_and_resumes_with_the
         os.kill(pid, 9)
     # the step fails, the batch script sees a checkpoint saved by this run and requeues the job
     release_requeued(job)
-    state = wait_for(job, timeout=220)
+    state = wait_for(job, timeout=JOB_TIMEOUT)
     log = (tmp_path / f"lp-train-{job}.out").read_text()
     assert state == "COMPLETED", log[-3000:]
     assert restarts(job) == 1
@@ -211,11 +213,11 @@ def test_job_whose_tasks_on_one_node_are_killed_is_requeued_and_resumes_with_the
         assert loss == pytest.approx(uninterrupted[step], abs=LOSS_ATOL), (step, before, after, uninterrupted)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
 def test_mismatched_layout_fails_before_any_rank_starts(two_nodes, tmp_path):
     # 2 x 2 x 2 = 8 processes asked of a 2-node x 2-task allocation
     job = sbatch(tmp_path, *TWO_NODES, str(SBATCH_SCRIPT), *THREE_D_ON_TWO_NODES, "strategy.data_parallel=2")
-    assert wait_for(job, timeout=50) == "FAILED"
+    assert wait_for(job, timeout=JOB_TIMEOUT) == "FAILED"
     log = (tmp_path / f"lp-train-{job}.out").read_text()
     assert "needs 8 processes, but the allocation has 2 node(s) x 2 = 4" in log
     # every suggestion has passed the same checks: resubmit for the layout, or fit the layout to the allocation
@@ -224,7 +226,7 @@ def test_mismatched_layout_fails_before_any_rank_starts(two_nodes, tmp_path):
     assert "Initializing distributed" not in log
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
 def test_submitit_multirun_sweeps_on_slurm(slurm, tmp_path):
     sweep = tmp_path / "sweep"
     result = subprocess.run(
@@ -232,7 +234,7 @@ def test_submitit_multirun_sweeps_on_slurm(slurm, tmp_path):
             "lp-train", "--multirun", "+recipe=[gpt2_cpu_dp2,submitit]", "model.lr=3e-3,1e-3",
             "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=5", f"hydra.sweep.dir={sweep}",
         ],
-        cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=220, check=False,
+        cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT, check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     for job in ("0", "1"):
@@ -241,20 +243,20 @@ def test_submitit_multirun_sweeps_on_slurm(slurm, tmp_path):
         assert (sweep / job / "checkpoints/last.ckpt").exists()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(2 * JOB_TIMEOUT + 120)
 def test_preempted_job_checkpoints_and_resumes_where_it_stopped(slurm, tmp_path):
     steps = 120
     job = sbatch(tmp_path, "--ntasks-per-node=2", str(SBATCH_SCRIPT), "+recipe=gpt2_cpu_dp2", f"trainer.max_steps={steps}")
     run_dir = tmp_path / f"runs/lp-train-{job}"
     metrics = run_dir / "logs/version_0/metrics.csv"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + JOB_TIMEOUT
     while not (metrics.exists() and train_losses(run_dir)):  # training has begun: handlers are installed
         assert time.monotonic() < deadline and job_state(job) in ("PENDING", "RUNNING"), job_state(job)
         time.sleep(0.5)
     # what `#SBATCH --signal=USR1@120` does before the time limit, now
     subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=30)
     release_requeued(job)
-    state = wait_for(job, timeout=180)
+    state = wait_for(job, timeout=JOB_TIMEOUT)
     log = (tmp_path / f"lp-train-{job}.out").read_text()
     assert state == "COMPLETED", log[-3000:]
     assert restarts(job) == 1
