@@ -1,22 +1,30 @@
 #!/usr/bin/env bash
-# A real single-node SLURM on localhost, for CI and for trying the recipes on one machine.
+# A real two-node SLURM cluster on this one machine, for CI and for trying the recipes on one machine.
 #
-#   .ci/local_slurm.sh up       install (Debian slurm 22.05 + munge), configure, start; wait until the node is idle
+#   .ci/local_slurm.sh up       install (Debian slurm 22.05 + munge), configure, start; wait until every node
+#                               is idle. Idempotent: a second `up` leaves running daemons alone; it restarts
+#                               them only when the config it writes differs from the one they run with.
 #   .ci/local_slurm.sh down     stop the daemons (state and config stay)
 #   .ci/local_slurm.sh purge    down, then delete state, logs and config (the next `up` starts from nothing)
-#   .ci/local_slurm.sh status   daemons, node state, queue
+#   .ci/local_slurm.sh status   daemons, node states, queue
 #
 # Why each choice:
-# - no systemd, no cgroups: munged, slurmctld and slurmd run as plain background daemons;
+# - two nodes, lp-node1 and lp-node2 (LOCAL_SLURM_NODES of them), one `slurmd -N <node>` each on its
+#   own port. Debian builds SLURM with multiple-slurmd support (`scontrol show config` says
+#   MULTIPLE_SLURMD = Yes), so no network namespaces are needed; the per-node paths use %n. Each
+#   node runs its share of a job's tasks with its own SLURM_NODEID and SLURM_LOCALID, as on a real
+#   cluster, and the tasks on lp-node2 reach the rendezvous through the name SLURM gives
+#   (Lightning's MASTER_ADDR is the first host of SLURM_NODELIST), so the node names must resolve:
+#   they are added to /etc/hosts as 127.0.0.1 where they do not.
+# - no systemd, no cgroups: munged, slurmctld and the slurmds run as plain background daemons;
 #   proctrack/linuxproc and task/none need no cgroup.conf.
 # - munge authentication is required (auth/none is gone in 22.05).
-# - the node advertises CPUs=max(nproc, 4) with SlurmdParameters=config_overrides, so a 4-task
-#   job runs on a 2-core machine (without config_overrides the node would drain as "Low CPUs").
+# - each node advertises CPUs=max(nproc, 4) with SlurmdParameters=config_overrides, so a job of 4
+#   tasks per node runs on a 2-core machine (without config_overrides a node would drain as "Low CPUs").
 # - no accounting database: a small `sacct` shim answers from `squeue --states=all`, so that the
 #   submitit launcher sees FAILED jobs instead of waiting forever (LOCAL_SLURM_SACCT_SHIM=0 skips it).
-# - the node name ends up as MASTER_ADDR, so it must resolve: it is added to /etc/hosts if needed.
 #
-# Environment: LOCAL_SLURM_NODENAME (default: short hostname), LOCAL_SLURM_CPUS (default max(nproc,4)),
+# Environment: LOCAL_SLURM_NODES (default 2), LOCAL_SLURM_CPUS (per node, default max(nproc,4)),
 # LOCAL_SLURM_SACCT_SHIM (default 1). Must run as root.
 set -euo pipefail
 
@@ -24,7 +32,11 @@ ROOT=/var/lib/local-slurm
 CONF=/etc/slurm/slurm.conf
 SHIM=/usr/local/bin/sacct
 SHIM_MARK="# local-slurm sacct shim"
-NODE=${LOCAL_SLURM_NODENAME:-$(hostname -s)}
+HOST=$(hostname -s)
+NNODES=${LOCAL_SLURM_NODES:-2}
+NODES=()
+for i in $(seq 1 "$NNODES"); do NODES+=("lp-node$i"); done
+FIRST_PORT=17001  # lp-node<i> listens on FIRST_PORT + i - 1
 CPUS=${LOCAL_SLURM_CPUS:-$(( $(nproc) > 4 ? $(nproc) : 4 ))}
 
 log() { echo "[local_slurm] $*" >&2; }
@@ -49,14 +61,14 @@ install_packages() {
     if [ -n "$guard" ]; then rm -f "$guard"; fi
 }
 
-write_config() {
-    mkdir -p "$ROOT"/spool/ctld "$ROOT"/spool/d "$ROOT"/run "$ROOT"/log /etc/slurm
-    local mem_mb
+# The config on stdout, so that `up` can compare it with the one the daemons run with.
+config() {
+    local mem_mb i
     mem_mb=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024 ))
-    cat > "$CONF" <<EOF
-# Written by .ci/local_slurm.sh: one node on localhost, no accounting, no cgroups.
+    cat <<EOF
+# Written by .ci/local_slurm.sh: ${NNODES} nodes on one machine (a slurmd each), no accounting, no cgroups.
 ClusterName=localci
-SlurmctldHost=${NODE}(127.0.0.1)
+SlurmctldHost=${HOST}(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -70,7 +82,7 @@ JobCompType=jobcomp/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
-# advertise CPUs=${CPUS} even where the machine has fewer cores
+# advertise CPUs=${CPUS} per node even where the machine has fewer cores
 SlurmdParameters=config_overrides
 ReturnToService=2
 # one rank dying cancels the step instead of leaving the others in a collective
@@ -79,14 +91,34 @@ MailProg=/bin/true
 # keep finished jobs visible to squeue (and the sacct shim) for an hour
 MinJobAge=3600
 StateSaveLocation=${ROOT}/spool/ctld
-SlurmdSpoolDir=${ROOT}/spool/d
+# %n is the node name: a spool folder, pid file and log per slurmd
+SlurmdSpoolDir=${ROOT}/spool/d-%n
 SlurmctldPidFile=${ROOT}/run/slurmctld.pid
-SlurmdPidFile=${ROOT}/run/slurmd.pid
+SlurmdPidFile=${ROOT}/run/slurmd-%n.pid
 SlurmctldLogFile=${ROOT}/log/slurmctld.log
-SlurmdLogFile=${ROOT}/log/slurmd.log
-NodeName=${NODE} NodeAddr=127.0.0.1 NodeHostname=${NODE} CPUs=${CPUS} Boards=1 SocketsPerBoard=1 CoresPerSocket=${CPUS} ThreadsPerCore=1 RealMemory=${mem_mb} State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+SlurmdLogFile=${ROOT}/log/slurmd-%n.log
 EOF
+    for i in $(seq 1 "$NNODES"); do
+        echo "NodeName=${NODES[i-1]} NodeAddr=127.0.0.1 NodeHostname=${HOST} Port=$(( FIRST_PORT + i - 1 ))" \
+            "CPUs=${CPUS} Boards=1 SocketsPerBoard=1 CoresPerSocket=${CPUS} ThreadsPerCore=1" \
+            "RealMemory=$(( mem_mb / NNODES )) State=UNKNOWN"
+    done
+    echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
+}
+
+# Write the config. If it changed while daemons run with another one, restart them on a fresh
+# controller state: jobs and node states saved under another set of nodes mean nothing now.
+write_config() {
+    mkdir -p "$ROOT"/spool/ctld "$ROOT"/run "$ROOT"/log /etc/slurm
+    local new
+    new=$(config)
+    if [ -f "$CONF" ] && [ "$new" = "$(cat "$CONF")" ]; then return; fi
+    if compgen -G "$ROOT/run/slurm*.pid" >/dev/null; then
+        log "the configuration changed: restarting slurmctld and the slurmds on a fresh state"
+        stop_slurm
+        rm -rf "${ROOT:?}"/spool/ctld/*
+    fi
+    printf '%s\n' "$new" > "$CONF"
 }
 
 write_sacct_shim() {
@@ -117,11 +149,14 @@ EOF
     chmod +x "$SHIM"
 }
 
-ensure_hostname_resolves() {
-    if ! getent hosts "$NODE" >/dev/null; then
-        log "adding '127.0.0.1 $NODE' to /etc/hosts"
-        echo "127.0.0.1 $NODE" >> /etc/hosts
-    fi
+ensure_hostnames_resolve() {
+    local name
+    for name in "$HOST" "${NODES[@]}"; do
+        if ! getent hosts "$name" >/dev/null; then
+            log "adding '127.0.0.1 $name' to /etc/hosts"
+            echo "127.0.0.1 $name" >> /etc/hosts
+        fi
+    done
 }
 
 start_munge() {
@@ -139,23 +174,36 @@ start_munge() {
 pid_alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
 start_slurm() {
+    local node
     pid_alive "$ROOT/run/slurmctld.pid" || slurmctld -i
-    pid_alive "$ROOT/run/slurmd.pid" || slurmd -N "$NODE"
+    for node in "${NODES[@]}"; do
+        mkdir -p "$ROOT/spool/d-$node"
+        pid_alive "$ROOT/run/slurmd-$node.pid" || slurmd -N "$node"
+    done
 }
 
 wait_for_idle() {
-    local state
+    local node state waiting=()
     for _ in $(seq 1 60); do
-        state=$(sinfo --noheader --nodes="$NODE" --format=%T 2>/dev/null || true)
-        case "$state" in
-            idle*|mixed*|allocated*) log "node $NODE is $state"; return 0 ;;
-            drain*|down*|inval*)
-                # a drained state saved by an earlier run survives restarts; ReturnToService does not clear it
-                scontrol update NodeName="$NODE" State=RESUME 2>/dev/null || true ;;
-        esac
+        waiting=()
+        for node in "${NODES[@]}"; do
+            state=$(sinfo --noheader --nodes="$node" --format=%T 2>/dev/null || true)
+            case "$state" in
+                idle*|mixed*|allocated*) ;;
+                drain*|down*|inval*)
+                    # a drained state saved by an earlier run survives restarts; ReturnToService does not clear it
+                    scontrol update NodeName="$node" State=RESUME 2>/dev/null || true
+                    waiting+=("$node:$state") ;;
+                *) waiting+=("$node:${state:-unknown}") ;;
+            esac
+        done
+        if [ ${#waiting[@]} -eq 0 ]; then
+            log "nodes up: $(sinfo --noheader --format='%N %T')"
+            return 0
+        fi
         sleep 0.5
     done
-    log "node $NODE did not become idle (state: ${state:-unknown}); see $ROOT/log/"
+    log "nodes not idle: ${waiting[*]}; see $ROOT/log/"
     return 1
 }
 
@@ -170,19 +218,27 @@ stop_daemon() {
     rm -f "$pidfile"
 }
 
+# every slurmd this script started (slurmd.pid is the one of the earlier one-node layout), then the controller
+stop_slurm() {
+    local pidfile
+    for pidfile in "$ROOT"/run/slurmd*.pid; do
+        if [ -e "$pidfile" ]; then stop_daemon "$pidfile"; fi
+    done
+    stop_daemon "$ROOT/run/slurmctld.pid"
+}
+
 up() {
     install_packages
     write_config
     write_sacct_shim
-    ensure_hostname_resolves
+    ensure_hostnames_resolve
     start_munge
     start_slurm
     wait_for_idle
 }
 
 down() {
-    stop_daemon "$ROOT/run/slurmd.pid"
-    stop_daemon "$ROOT/run/slurmctld.pid"
+    stop_slurm
     if [ -s /run/munge/munged.pid ]; then stop_daemon /run/munge/munged.pid; fi
 }
 
@@ -194,7 +250,7 @@ purge() {
 
 status() {
     for d in munged slurmctld slurmd; do
-        if pgrep -x "$d" >/dev/null; then echo "$d: running"; else echo "$d: stopped"; fi
+        echo "$d: $(pgrep -c -x "$d" || true) running"
     done
     sinfo 2>/dev/null || true
     squeue --states=all 2>/dev/null || true
