@@ -30,7 +30,7 @@ from tests.helpers.processes import free_port
 
 pytest.importorskip("torchft")
 
-MAX_STEPS, KILL_AT = 30, 3
+MAX_STEPS, KILL_AT = 20, 3
 ALONE_PAUSE_S = 0.5  # while a group trains alone it slows down, so the other has time to start again
 
 
@@ -63,12 +63,13 @@ class _Quorum(L.Callback):
         torch.save(self.steps, os.path.join(self.out_dir, f"quorum{trainer.global_rank}.pt"))
 
 
-def _group(group: int, lighthouse: str, out_dir: str, kill_at: int | None) -> None:
-    """One replica group: its own session (killed as one), its own rendezvous port, two DP ranks."""
+def _group(group: int, lighthouse: str, out_dir: str, kill_at: int | None, layout: dict) -> None:
+    """One replica group: its own session (killed as one), its own rendezvous port, two ranks."""
     os.setsid()
     os.environ["MASTER_PORT"] = str(free_port())
     torch.set_num_threads(1)
-    strategy = ParallelStrategy(replica_groups=2, replica_group=group, lighthouse=lighthouse, start_method="fork")
+    strategy = ParallelStrategy(replica_groups=2, replica_group=group, lighthouse=lighthouse, start_method="fork",
+                                **layout)
     fit_and_record(_model(), _data(), batch_size=4, out_dir=out_dir, devices=2, strategy=strategy,
                    max_steps=MAX_STEPS, callbacks=[_Quorum(out_dir, kill_at)])
 
@@ -79,12 +80,13 @@ def _fork(target, *args) -> mp.Process:
     return process
 
 
-def _start_group(group: int, lighthouse: str, out_dir, kill_at: int | None = None) -> mp.Process:
-    return _fork(_group, group, lighthouse, str(out_dir), kill_at)
+def _start_group(group: int, lighthouse: str, out_dir, layout: dict, kill_at: int | None = None) -> mp.Process:
+    return _fork(_group, group, lighthouse, str(out_dir), kill_at, layout)
 
 
 @pytest.mark.timeout(180)
-def test_killed_group_rejoins_from_live_peer_and_both_finish_equal(tmp_path):
+@pytest.mark.parametrize("layout", [dict(), dict(pipeline_parallel=2, micro_batches=2)], ids=["dp2", "pp2"])
+def test_killed_group_rejoins_from_live_peer_and_both_finish_equal(tmp_path, layout):
     port = free_port()
     # `lp-lighthouse --port P`, forked (this process never starts torchft's runtime, so forks stay clean)
     lighthouse = _fork(lighthouse_main, ["--port", str(port), "--join-timeout-ms", "1000",
@@ -93,12 +95,13 @@ def test_killed_group_rejoins_from_live_peer_and_both_finish_equal(tmp_path):
     survivor_dir, first_dir, second_dir = (tmp_path / name for name in ("survivor", "first", "second"))
     processes = []
     try:
-        processes += [_start_group(0, address, survivor_dir), _start_group(1, address, first_dir, kill_at=KILL_AT)]
+        processes += [_start_group(0, address, survivor_dir, layout),
+                      _start_group(1, address, first_dir, layout, kill_at=KILL_AT)]
         survivor, first = processes
         first.join(timeout=120)
         assert first.exitcode == -signal.SIGKILL, f"group 1 was to be killed at step {KILL_AT}: {first.exitcode}"
         assert survivor.is_alive(), "the surviving group stopped when the other died"
-        processes.append(_start_group(1, address, second_dir))
+        processes.append(_start_group(1, address, second_dir, layout))
         for process in (survivor, processes[2]):
             process.join(timeout=120)
             assert process.exitcode == 0, f"a replica group failed: exit code {process.exitcode}"

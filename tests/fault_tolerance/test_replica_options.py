@@ -3,10 +3,13 @@ bad values are refused at configuration with what would work, and ``lp-lighthous
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from hydra.utils import instantiate
 from lightning.fabric.plugins.environments import LightningEnvironment
+from omegaconf import OmegaConf
 
 from lightning_parallel.cli.launch_plan import build_plan
 from lightning_parallel.cli.lighthouse import parse_args
@@ -15,6 +18,7 @@ from lightning_parallel.errors import ConfigurationError
 from lightning_parallel.options import ParallelOptions
 from lightning_parallel.strategy import ParallelStrategy
 
+CONF = Path(__file__).parents[2] / "lightning_parallel" / "conf" / "strategy"
 PRESETS = ["3d", "auto", "cp", "dp", "ep", "pp", "tp"]  # ddp is Lightning's own, single the one-device reference
 ADDRESS = "http://node-0:29510"
 
@@ -31,8 +35,9 @@ def test_every_preset_starts_one_replica_group_from_the_command_line(preset):
 
 def test_one_group_by_default_in_every_preset():
     for preset in PRESETS:
-        options = instantiate(compose_config([f"strategy={preset}"]).strategy).options
-        assert (options.replica_groups, options.replica_group, options.lighthouse) == (1, 0, None)
+        values = OmegaConf.load(CONF / f"{preset}.yaml")
+        assert (values.replica_groups, values.replica_group, values.lighthouse) == (1, 0, None), preset
+    assert ParallelOptions().replica_groups == 1
 
 
 def test_several_groups_without_a_lighthouse_stop_the_launch():
