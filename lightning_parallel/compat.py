@@ -68,6 +68,21 @@ def set_skip_backward(trainer: Any, skip: bool) -> None:
     trainer.fit_loop._skip_backward = skip
 
 
+def training_steps(trainer: Any) -> tuple[int, int]:
+    """A fitting Trainer's ``global_step`` (optimizer steps) and the step its logger writes at."""
+    return trainer.global_step, trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def set_training_steps(trainer: Any, global_step: int, batches_that_stepped: int) -> None:
+    """Set what ``training_steps`` reads, from inside an optimizer step (automatic optimisation: counted
+    ready, not yet completed), as resuming from a checkpoint sets them; Lightning has no public setter."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    step_progress = epoch_loop.automatic_optimization.optim_progress.optimizer.step
+    step_progress.total.completed = global_step
+    step_progress.total.ready = global_step + 1
+    epoch_loop._batches_that_stepped = batches_that_stepped
+
+
 def replace_summary(callback: Any, summary: Any) -> None:
     """Make a ``ModelSummary`` callback build its summary with ``summary(pl_module, max_depth)``
     (the callback has no public way to choose the summary class)."""

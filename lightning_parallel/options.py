@@ -114,6 +114,19 @@ class ParallelOptions:
     one block of each kind, the embedding and the head run whole and split in float64 on one
     micro-batch, outputs and gradients compared (``checks/verify_split.py``); ``False`` skips it."""
 
+    replica_groups: int = 1
+    """Replica groups of the whole run, each launched on its own (its own ``lp-train`` or SLURM job) with this
+    layout inside; their gradients are averaged every step across the groups alive, so a group that dies
+    leaves the others training at a smaller global batch, and a restarted one copies the live state from a
+    healthy group (torchft, ``fault_tolerance/``). 1: one group, no quorum server."""
+
+    replica_group: int = 0
+    """Which of the ``replica_groups`` this launch is, ``0 .. replica_groups - 1`` (its share of the data)."""
+
+    lighthouse: Optional[str] = None
+    """Address of the quorum server the replica groups meet at, ``http://HOST:PORT`` (``lp-lighthouse``);
+    needed when ``replica_groups > 1``."""
+
     searched: tuple[str, ...] = field(default=(), init=False, compare=False)
     """The options given as ``"auto"`` that the planner has not resolved yet (derived; not an argument)."""
 
@@ -148,6 +161,7 @@ class ParallelOptions:
                 "averaged too; with context parallelism use zero_stage=1 (optimizer state sharded over DP x CP), "
                 "or zero_stage=2/3 without it")
         self._check_shard_size()
+        self._check_replica_groups()
         if self.tp_plan is not None:
             set_(self, "tp_plan", dict(self.tp_plan))
         if self.pipeline_layout is not None:
@@ -170,6 +184,30 @@ class ParallelOptions:
                 f"zero_shard_size={size} shards parameters over groups of {size} data-parallel ranks, which only "
                 f"ZeRO-2/3 do, but zero_stage={self.zero_stage}; use zero_stage=3 (or 2) with zero_shard_size={size}, "
                 "or leave zero_shard_size unset (None)")
+
+    def _check_replica_groups(self) -> None:
+        """A group number inside the run, and the quorum server's address where there are several groups."""
+        groups = _size("replica_groups", self.replica_groups)
+        object.__setattr__(self, "replica_groups", groups)
+        if groups == AUTO:
+            raise ConfigurationError("replica_groups is not searched: give the number of replica groups the run is "
+                                     "made of (1 for one)")
+        group = self.replica_group
+        if isinstance(group, str) and group.isdigit():
+            group = int(group)
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < groups:
+            raise ConfigurationError(f"replica_group must be one of 0..{groups - 1} (replica_groups={groups}), "
+                                     f"got {self.replica_group!r}")
+        object.__setattr__(self, "replica_group", group)
+        if groups > 1 and not (isinstance(self.lighthouse, str) and self.lighthouse.startswith(("http://",
+                                                                                               "https://"))):
+            raise ConfigurationError(
+                f"replica_groups={groups} needs the quorum server's address, lighthouse='http://HOST:PORT' "
+                f"(start it with `lp-lighthouse --port PORT`), got lighthouse={self.lighthouse!r}")
+        if groups > 1 and self.zero in (2, 3):
+            raise ConfigurationError(
+                f"replica_groups={groups} with zero_stage={self.zero} is not supported: a group copies a live "
+                "group's parameters as plain tensors; use zero_stage 0 or 1 inside each replica group")
 
     def _refuse_with_experts(self) -> None:
         """Expert parallelism composes with data and tensor parallelism only (so far)."""

@@ -65,6 +65,7 @@ from lightning_parallel.data_parallel.fully_sharded import FullySharded
 from lightning_parallel.data_parallel.zero import ZeroOneSharding, refuse_whole_tensor_optimizers
 from lightning_parallel.errors import LightningParallelError, python_arguments
 from lightning_parallel.expert_parallel import ExpertParallel
+from lightning_parallel.fault_tolerance.groups import ReplicaGroups
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline.partition import find_blocks
@@ -93,7 +94,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
     Args:
         data_parallel, tensor_parallel, pipeline_parallel, context_parallel, expert_parallel, micro_batches,
         schedule, virtual_stages, sequence_parallel, tp_plan, pipeline_blocks, pipeline_layout, bucket_size_mb,
-        zero_stage, zero_shard_size, broadcast_buffers, verify_split:
+        zero_stage, zero_shard_size, broadcast_buffers, verify_split, replica_groups, replica_group, lighthouse:
             the layout and its options, each documented on ``ParallelOptions`` (``options.py``).
             A size given as ``"auto"`` (tensor_parallel, pipeline_parallel, schedule,
             virtual_stages, zero_stage): at setup, every rank takes the planner's best layout for
@@ -128,6 +129,9 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         zero_shard_size: Optional[int] = None,
         broadcast_buffers: bool = True,
         verify_split: bool = True,
+        replica_groups: int = 1,
+        replica_group: int = 0,
+        lighthouse: Optional[str] = None,
         start_method: StartMethod = "popen",
         timeout: Union[timedelta, float] = timedelta(minutes=30),
         async_checkpoint: bool = False,
@@ -154,6 +158,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
             sequence_parallel=sequence_parallel, tp_plan=tp_plan, pipeline_blocks=pipeline_blocks,
             pipeline_layout=pipeline_layout, bucket_size_mb=bucket_size_mb, zero_stage=zero_stage,
             zero_shard_size=zero_shard_size, broadcast_buffers=broadcast_buffers, verify_split=verify_split,
+            replica_groups=replica_groups, replica_group=replica_group, lighthouse=lighthouse,
         )
         self.layout_search: Optional[SearchResult] = None  # the ranked layouts "auto" chose from (once, at setup)
         self._start_method = start_method
@@ -181,6 +186,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         self.split_verification: Optional[Verification] = None  # what the check compared, and its cost
         self.parameter_share: Optional[Share] = None  # what the largest rank holds of the split model
         self.data_order: Optional[str] = None  # the start-of-training note on the training batches' order
+        self.replicas: Optional[ReplicaGroups] = None  # this group's place among replica_groups > 1 (torchft)
 
     # ---- what Lightning asks of a parallel strategy ---------------------------------------------
     @property
@@ -231,9 +237,11 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
     @override
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # all TP shards, CP ranks and pipeline stages of one replica read the same batch
-        mesh = self._planned_mesh()
-        return {"num_replicas": mesh.dp_size, "rank": mesh.coords(self.global_rank).dp}
+        # all TP shards, CP ranks and pipeline stages of one replica read the same batch; replica groups
+        # read their own shares
+        mesh, groups = self._planned_mesh(), self.options.replica_groups
+        return {"num_replicas": groups * mesh.dp_size,
+                "rank": self.options.replica_group * mesh.dp_size + mesh.coords(self.global_rank).dp}
 
     def _resolve_sizes(self, trainer: Any) -> None:
         """Presets fill in the size they spread over all processes (see ``presets.py``); sizes given
@@ -365,6 +373,8 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+            if self.options.replica_groups > 1 and self.replicas is None:
+                self.replicas = ReplicaGroups.join(self, trainer)
         self._check_split(trainer)
         if self.options.broadcast_buffers and self.mesh.dp_cp_size > 1:
             self.buffer_broadcast = BufferBroadcast(module, self.mesh.dp_cp_group)
@@ -595,6 +605,11 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self.replicas is not None:  # quorum, closure, average over the groups, and the step if it commits
+            return self.replicas.step(closure, lambda ran: self._optimizer_step(optimizer, ran, model, **kwargs))
+        return self._optimizer_step(optimizer, closure, model, **kwargs)
+
+    def _optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self.zero is not None:
             self.zero.gather_params()
@@ -603,6 +618,9 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
     @override
     def teardown(self) -> None:
         self.wait_for_checkpoint()  # the end of fit: the last checkpoint is on disk before the processes end
+        if self.replicas is not None:
+            self.replicas.shutdown()
+            self.replicas = None
         if self.grad_sync is not None:
             self.grad_sync.remove()
             self.grad_sync = None

@@ -234,3 +234,11 @@ def test_fsdp2_group_left_mid_forward_is_resharded():
     from tests.helpers.processes import run_distributed
 
     assert run_distributed(_reshard_after_an_aborted_forward, 2)[0] == (True, True)
+
+
+def test_training_steps_are_set_where_lightning_reads_them():
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    compat.set_training_steps(trainer, 7, 6)
+    assert compat.training_steps(trainer) == (7, 6)
+    assert trainer.global_step == 7
+    assert trainer.fit_loop.epoch_loop.state_dict()["state_dict"]["_batches_that_stepped"] == 6
