@@ -24,10 +24,12 @@ DOCS = ([5, 11], [3, 6, 7], [9, 7], [2, 8, 6], [16], [4, 4, 8], [7, 9], [1, 15])
 
 
 class FineTuneLM(L.LightningModule):
-    """A user's module around a tiny Hugging Face causal LM; ``inputs``: what its batches hold beside the tokens
-    (``"padding"``: a tokenizer's attention_mask; ``"packed"``: restarting position_ids; ``"mask"``: a 4D mask)."""
+    """A user's module around a tiny Hugging Face causal LM; batches hold the tokens, what ``given`` names
+    (``attention_mask``: a tokenizer's 2D mask or a 4D mask; ``position_ids``: restarting at each packed
+    document) and the labels (-100 on padding and at document starts). No cache, so that transformers
+    builds the block-diagonal mask of packed rows."""
 
-    def __init__(self, family: str, inputs: str) -> None:
+    def __init__(self, family: str, given: str) -> None:
         super().__init__()
         import transformers
 
@@ -35,20 +37,11 @@ class FineTuneLM(L.LightningModule):
             hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
             vocab_size=VOCAB, max_position_embeddings=4 * SEQ)
         config._attn_implementation = "sdpa"
-        self.model, self.inputs = transformers.AutoModelForCausalLM.from_config(config), inputs
+        self.model, self.given = transformers.AutoModelForCausalLM.from_config(config), given
 
     def training_step(self, batch, batch_idx):
-        tokens, extra = batch
-        if self.inputs == "padding":
-            out = self.model(input_ids=tokens, attention_mask=extra, labels=tokens.masked_fill(extra == 0, -100))
-        elif self.inputs == "packed":  # no label across a document boundary; no cache, so the mask is built
-            out = self.model(input_ids=tokens, position_ids=extra, labels=tokens.masked_fill(extra == 0, -100),
-                             use_cache=False)
-        else:  # labels: -100 on the padded tail (rows of the mask that attend nothing) and at document starts
-            starts = extra[:, 0].diagonal(dim1=-2, dim2=-1) == 0
-            first = torch.cat([torch.ones_like(starts[:, :1]), extra[:, 0, 1:, :-1].diagonal(dim1=-2, dim2=-1) != 0], 1)
-            out = self.model(input_ids=tokens, attention_mask=extra, labels=tokens.masked_fill(~starts | first, -100))
-        return out.loss
+        tokens, extra, labels = batch
+        return self.model(input_ids=tokens, labels=labels, use_cache=False, **{self.given: extra}).loss
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, eps=1e-6)
@@ -63,32 +56,36 @@ def padded(samples: int = 8) -> TensorDataset:
     mask = torch.ones(samples, SEQ, dtype=torch.long)
     mask[0::2, 1 - PAD:] = 0
     mask[1::2, :PAD] = 0
-    return TensorDataset(_tokens(samples), mask)
+    tokens = _tokens(samples)
+    return TensorDataset(tokens, mask, tokens.masked_fill(mask == 0, -100))
 
 
 def packed(samples: int = 8) -> TensorDataset:
     """Rows of documents packed end to end, ``position_ids`` restarting at each."""
     positions = torch.stack([torch.cat([torch.arange(n) for n in DOCS[i % len(DOCS)]]) for i in range(samples)])
-    return TensorDataset(_tokens(samples), positions)
+    tokens = _tokens(samples)
+    return TensorDataset(tokens, positions, tokens.masked_fill(positions == 0, -100))
 
 
 def packed_mask(samples: int = 8) -> TensorDataset:
     """Packed documents and a padded tail of ``PAD`` tokens, as an additive (batch, 1, S, S) mask of 0 and the
     dtype's minimum, causal within each document; the tail attends nothing."""
-    masks = []
+    masks, labels, tokens = [], [], _tokens(samples)
     for i in range(samples):
         doc = torch.cat([torch.full((n,), d) for d, n in enumerate(DOCS[i % len(DOCS)])])
-        doc[-PAD:] = -1 - torch.arange(PAD)  # tokens of the tail in no document, not even one of their own
+        start = torch.cat([torch.ones(1, dtype=torch.bool), doc[1:] != doc[:-1]])
+        doc[-PAD:] = -1  # the tail: in no document
         keep = (doc[:, None] == doc[None, :]) & torch.ones(SEQ, SEQ, dtype=torch.bool).tril() & (doc >= 0)[:, None]
         masks.append(torch.zeros(1, SEQ, SEQ).masked_fill(~keep, torch.finfo(torch.float32).min))
-    return TensorDataset(_tokens(samples), torch.stack(masks))
+        labels.append(tokens[i].masked_fill(start | (doc < 0), -100))
+    return TensorDataset(tokens, torch.stack(masks), torch.stack(labels))
 
 
 CASES = {
-    "llama_padded": (lambda: FineTuneLM("Llama", "padding"), padded),
-    "qwen2_packed": (lambda: FineTuneLM("Qwen2", "packed"), packed),
-    "qwen2_padded": (lambda: FineTuneLM("Qwen2", "padding"), padded),
-    "stablelm_additive_mask": (lambda: FineTuneLM("StableLm", "mask"), packed_mask),
+    "llama_padded": (lambda: FineTuneLM("Llama", "attention_mask"), padded),
+    "qwen2_packed": (lambda: FineTuneLM("Qwen2", "position_ids"), packed),
+    "qwen2_padded": (lambda: FineTuneLM("Qwen2", "attention_mask"), padded),
+    "stablelm_additive_mask": (lambda: FineTuneLM("StableLm", "attention_mask"), packed_mask),
 }
 
 
