@@ -206,8 +206,9 @@ class ParallelOptions:
                 f"(start it with `lp-lighthouse --port PORT`), got lighthouse={self.lighthouse!r}")
         if groups > 1 and self.zero in (2, 3):
             raise ConfigurationError(
-                f"replica_groups={groups} with zero_stage={self.zero} is not supported: a group copies a live "
-                "group's parameters as plain tensors; use zero_stage 0 or 1 inside each replica group")
+                f"replica_groups={groups} with zero_stage={self.zero} is not supported: a restarted group does not "
+                "yet rejoin groups whose parameters are sharded FSDP2 DTensors; use zero_stage 0 or 1 inside each "
+                "replica group")
 
     def _refuse_with_experts(self) -> None:
         """Expert parallelism composes with data and tensor parallelism only (so far)."""

@@ -4,6 +4,7 @@ bad values are refused at configuration with what would work, and ``lp-lighthous
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from lightning_parallel.cli.launch_plan import build_plan
 from lightning_parallel.cli.lighthouse import parse_args
 from lightning_parallel.cli.overrides import compose_config
 from lightning_parallel.errors import ConfigurationError
+from lightning_parallel.fault_tolerance.groups import refuse_unsupported_training
 from lightning_parallel.options import ParallelOptions
 from lightning_parallel.strategy import ParallelStrategy
 
@@ -70,3 +72,17 @@ def test_lp_lighthouse_flags():
     assert (args.port, args.min_replicas, args.join_timeout_ms, args.heartbeat_timeout_ms) == (29510, 2, 60000, 3000)
     with pytest.raises(SystemExit):
         parse_args(["--port", "29510", "--min-replicas", "0"])
+
+
+@pytest.mark.parametrize("automatic, optimizers, accumulate, message", [
+    (False, 1, 1, "manual optimisation"),
+    (True, 2, 1, "2 optimizers"),
+    (True, 1, 4, "accumulate_grad_batches=4"),
+])
+def test_training_that_commits_more_than_once_per_batch_is_refused(automatic, optimizers, accumulate, message):
+    trainer = SimpleNamespace(lightning_module=SimpleNamespace(automatic_optimization=automatic),
+                              optimizers=[object()] * optimizers, accumulate_grad_batches=accumulate)
+    with pytest.raises(ConfigurationError, match=message):
+        refuse_unsupported_training(trainer)
+    refuse_unsupported_training(SimpleNamespace(lightning_module=SimpleNamespace(automatic_optimization=True),
+                                                optimizers=[object()], accumulate_grad_batches=1))
