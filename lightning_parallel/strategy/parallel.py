@@ -15,7 +15,9 @@ The strategy owns the process mesh and, at setup, composes the parts in a fixed 
    at setup where the pipeline traces its stages anyway.
 
 After each backward window, gradients are finalised in Megatron-LM's order (``gradients.py``).
-Clipping by norm then uses the norm of the whole model (``clipping.py``). Checkpoints
+Clipping by norm then uses the norm of the whole model (``clipping.py``). With ``replica_groups > 1`` the optimizer
+step is wrapped by torchft's quorum and commit, the gradients averaged over the live groups
+(``fault_tolerance/``). Checkpoints
 (``checkpointing.py``) and collectives (``collectives.py``) are mixed in. A module is split once:
 later ``validate``/``test``/``predict``/``fit`` calls on the same Trainer reuse the split (launched
 by popen or torchrun), or receive the trained full weights in the parent process (fork, spawn:
