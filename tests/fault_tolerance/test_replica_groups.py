@@ -46,7 +46,8 @@ def _data() -> TensorDataset:
 
 
 class _Quorum(L.Callback):
-    """Records each step's quorum size; rank 0 SIGKILLs its whole group at step ``kill_at``."""
+    """Records each step's quorum size; rank 0 SIGKILLs its whole group at step ``kill_at``, and writes
+    ``alone`` once its group has trained alone after that step."""
 
     def __init__(self, out_dir: str, kill_at: int | None):
         self.out_dir, self.kill_at, self.steps = out_dir, kill_at, []
@@ -57,6 +58,8 @@ class _Quorum(L.Callback):
         if self.kill_at is not None and trainer.global_step >= self.kill_at and trainer.global_rank == 0:
             os.killpg(0, signal.SIGKILL)
         if participants < 2:
+            if trainer.global_step > KILL_AT and trainer.global_rank == 0:
+                open(os.path.join(self.out_dir, "alone"), "w").close()
             time.sleep(ALONE_PAUSE_S)
 
     def on_train_end(self, trainer, pl_module):
@@ -100,7 +103,11 @@ def test_killed_group_rejoins_from_live_peer_and_both_finish_equal(tmp_path, lay
         survivor, first = processes
         first.join(timeout=120)
         assert first.exitcode == -signal.SIGKILL, f"group 1 was to be killed at step {KILL_AT}: {first.exitcode}"
+        deadline = time.monotonic() + 60
+        while not (survivor_dir / "alone").exists() and survivor.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert survivor.is_alive(), "the surviving group stopped when the other died"
+        assert (survivor_dir / "alone").exists(), "the surviving group did not train on alone"
         processes.append(_start_group(1, address, second_dir, layout))
         for process in (survivor, processes[2]):
             process.join(timeout=120)
