@@ -86,6 +86,7 @@ from lightning_parallel.strategy.materialize import builds_later, empty_paramete
 from lightning_parallel.strategy.metric_sync import sync_metrics_per_replica
 from lightning_parallel.strategy.requeue import DeferredRequeue
 from lightning_parallel.strategy.summary import parameters_per_module, report_whole_model
+from lightning_parallel.strategy.watchdog import LostRankError, RankWatchdog
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 
@@ -108,6 +109,9 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         async_checkpoint: stage each checkpoint in host memory and write it in the background while
             training goes on (``checkpoint/background.py``), as Lightning's ``AsyncCheckpointIO``
             plugin asks for too.
+        lost_rank_timeout: seconds without a heartbeat after which a rank counts as lost and the others
+            end with an error naming it, instead of waiting for ``timeout`` inside a collective
+            (``watchdog.py``); None: no watchdog.
     """
 
     strategy_name = "lp_3d"
@@ -137,6 +141,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         start_method: StartMethod = "popen",
         timeout: Union[timedelta, float] = timedelta(minutes=30),
         async_checkpoint: bool = False,
+        lost_rank_timeout: Optional[float] = 60.0,
         process_group_backend: Optional[str] = None,
         accelerator: Any = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -167,6 +172,9 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         self._timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
         self._process_group_backend = process_group_backend
         self._async_checkpoint = async_checkpoint
+        self._lost_rank_timeout = lost_rank_timeout
+        self.watchdog: Optional[RankWatchdog] = None  # during a Trainer call on several processes
+        self._calls = 0  # Trainer calls set up in this process: the same count on every rank
         self._num_nodes = 1
         self.mesh: Optional[ParallelMesh] = None
         self.grad_sync: Optional[GradientSynchronizer] = None
@@ -335,6 +343,12 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
             if self.async_checkpoint:
                 self.background_saves = BackgroundSaves(self._timeout)
         self._requeue = DeferredRequeue(self.cluster_environment)
+        self._calls += 1
+        if self._lost_rank_timeout and self.world_size > 1:
+            env = self.cluster_environment
+            self.watchdog = RankWatchdog(env.main_address, env.main_port, self.global_rank, self.world_size,
+                                         self._calls, float(self._lost_rank_timeout))
+            self.watchdog.start()
 
     def _checks_model(self, module: Any) -> bool:
         return module is not None and (self.is_model_split or self.options.cp > 1) and not self._has_split(module)
@@ -618,11 +632,21 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         return output
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        # the peers learn which rank failed; a collective that failed because a peer vanished names it
+        ended = self.watchdog.failed(exception) if self.watchdog is not None else None
+        if ended is not None:
+            raise LostRankError(f"rank {self.global_rank} stopped: {ended}") from exception
+
+    @override
     def teardown(self) -> None:
         self.wait_for_checkpoint()  # the end of fit: the last checkpoint is on disk before the processes end
         if self.replicas is not None:
             self.replicas.shutdown()
             self.replicas = None
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
         if self.grad_sync is not None:
             self.grad_sync.remove()
             self.grad_sync = None

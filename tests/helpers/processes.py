@@ -76,3 +76,30 @@ def make_mesh(rank: int, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1)
     """A mesh with its process groups, inside a ``run_distributed`` worker."""
     return ParallelMesh(world_size, tensor_parallel=tp, pipeline_parallel=pp,
                         context_parallel=cp).init_process_groups(rank)
+
+
+def start_ranks(fn: Callable[[int], Any], world_size: int, logs: str) -> list[mp.Process]:
+    """Start ``fn(rank)`` on ``world_size`` fork-started processes that see torchrun's variables (each
+    builds its own Trainer; Lightning launches nothing and no parent watches them), each writing its
+    output to ``logs/rank<r>.log``; a process ends with code 1 when ``fn`` raises (traceback logged)."""
+    def worker(rank: int, port: int) -> None:
+        log = os.open(os.path.join(logs, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0")
+        torch.set_num_threads(1)
+        try:
+            fn(rank)
+        except BaseException:  # noqa: BLE001 - logged for the test to read
+            traceback.print_exc()
+            os._exit(1)
+        os._exit(0)
+
+    os.makedirs(logs, exist_ok=True)
+    ctx = mp.get_context("fork")
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, port)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    return procs
