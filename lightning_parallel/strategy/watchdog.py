@@ -52,11 +52,11 @@ class LostRankError(LightningParallelError, RuntimeError):
 
 
 def is_collective_failure(error: BaseException) -> bool:
-    """Whether ``error`` is what a collective raises when a peer vanished (gloo's closed sockets,
-    NCCL's and the store's errors)."""
-    text = str(error)
+    """Whether ``error`` is what a collective raises when a peer vanished: torch's distributed errors
+    (NCCL, the store), gloo's ``RuntimeError`` of a closed socket."""
+    text = str(error) if type(error) is RuntimeError else ""
     return isinstance(error, dist.DistError) or any(
-        word in text for word in ("Connection reset by peer", "Connection closed by peer", "gloo", "NCCL"))
+        words in text for words in ("Connection reset by peer", "Connection closed by peer", "/gloo/transport/"))
 
 
 class RankWatchdog:
@@ -87,7 +87,10 @@ class RankWatchdog:
         """The Trainer call ended on this rank: its silence from now on is no loss."""
         self._stop.set()
         self._thread.join()
-        self.store.set(f"done/{self.rank}", "1")
+        try:
+            self.store.set(f"done/{self.rank}", "1")
+        except Exception:  # noqa: BLE001 - the process serving the store finished first: nobody watches
+            pass
 
     def failed(self, error: BaseException) -> Optional[str]:
         """This rank raised ``error``: record it, or, when it is a failed collective, wait (up to
@@ -125,13 +128,14 @@ class RankWatchdog:
                     looked = now
                     if now - since > self.timeout and not self.store.check([f"done/{self.neighbour}"]):
                         ended = self._record(f"rank {self.neighbour} is lost: no heartbeat for {self.timeout:g} s")
-            except Exception as err:  # noqa: BLE001 - the store is gone with the rank that served it
-                ended = _unreachable(err)
+                # a lost rank ends the others at once; a raised error gives them time to raise it too
+                patient = self.raising or (ended is not None and " raised " in ended)
+            except Exception as err:  # noqa: BLE001 - the store is gone with the process serving it, which
+                ended, patient = _unreachable(err), True  # may have just finished: this rank gets time to finish
             if ended is None:
                 continue
             ended_at = ended_at or time.monotonic()
-            grace = self.timeout if (self.raising or " raised " in ended) else 0.0
-            if time.monotonic() - ended_at >= grace and not self._stop.is_set():
+            if time.monotonic() - ended_at >= (self.timeout if patient else 0.0) and not self._stop.is_set():
                 sys.stderr.write(f"[rank {self.rank}] ending this rank: {ended}\n")
                 sys.stderr.flush()
                 if self.rank == 0:  # it serves the store under Lightning's launchers: let the others read it
