@@ -76,6 +76,7 @@ class RankWatchdog:
         self.interval = timeout / BEATS_PER_TIMEOUT
         self.neighbour = (rank + 1) % world_size
         self.raising = False  # this rank is handling its own error
+        self._read = False  # this rank has read the record of what ended the run
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lightning_parallel-watchdog", daemon=True)
 
@@ -99,12 +100,13 @@ class RankWatchdog:
         self.raising = True
         try:
             if not is_collective_failure(error):
-                self._record(f"rank {self.rank} raised {type(error).__name__}: {error}")
+                self._linger(self._record(f"rank {self.rank} raised {type(error).__name__}: {error}"))
                 return None
             deadline = time.monotonic() + self.timeout + 2 * self.interval
             while time.monotonic() < deadline:
                 ended = self._ended()
                 if ended is not None:
+                    self._linger(ended)
                     return ended
                 time.sleep(self.interval / 2)
         except Exception as err:  # noqa: BLE001 - the store is gone with the rank that served it
@@ -138,8 +140,7 @@ class RankWatchdog:
             if time.monotonic() - ended_at >= (self.timeout if patient else 0.0) and not self._stop.is_set():
                 sys.stderr.write(f"[rank {self.rank}] ending this rank: {ended}\n")
                 sys.stderr.flush()
-                if self.rank == 0:  # it serves the store under Lightning's launchers: let the others read it
-                    time.sleep(2 * self.interval)
+                self._linger(ended)
                 os._exit(1)
 
     def _record(self, ended: str) -> str:
@@ -147,7 +148,23 @@ class RankWatchdog:
         return self.store.compare_set("ended", "", ended).decode()
 
     def _ended(self) -> Optional[str]:
-        return self.store.get("ended").decode() if self.store.check(["ended"]) else None
+        """The record of what ended the run, if there is one (acknowledged once, for ``_linger``)."""
+        if not self.store.check(["ended"]):
+            return None
+        if not self._read:
+            self._read = True
+            self.store.add("read", 1)
+        return self.store.get("ended").decode()
+
+    def _linger(self, ended: str) -> None:
+        """Rank 0 serves the store under Lightning's launchers: before it ends, the other ranks that are
+        alive read the record (for at most two beats)."""
+        if self.rank != 0:
+            return
+        readers = self.world_size - 1 - (" is lost" in ended)
+        deadline = time.monotonic() + 2 * self.interval
+        while time.monotonic() < deadline and self.store.add("read", 0) < readers + self._read:
+            time.sleep(0.05)
 
 
 def _unreachable(error: BaseException) -> str:

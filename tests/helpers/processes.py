@@ -10,6 +10,7 @@ import io
 import multiprocessing as mp
 import os
 import socket
+import sys
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -86,6 +87,7 @@ def start_ranks(fn: Callable[[int], Any], world_size: int, logs: str) -> list[mp
         log = os.open(os.path.join(logs, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(log, 1)
         os.dup2(log, 2)
+        sys.stdout, sys.stderr = open(1, "w", buffering=1, closefd=False), open(2, "w", buffering=1, closefd=False)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0")
         torch.set_num_threads(1)
