@@ -75,3 +75,10 @@ def test_failed_background_write_is_raised_on_every_rank_at_the_next_save(tmp_pa
         assert f"rank 0: OSError: [Errno {errno.ENOSPC}]" in message and "is unchanged" in message
     assert not staged(last, PARTIAL).exists()
     assert is_complete(last) and _last_step(last) == HALF
+
+
+@pytest.mark.timeout(90)
+def test_dp2_whole_model_checkpoint_written_in_the_background_resumes(tmp_path, reference):
+    checkpoint = half_run(tmp_path, devices=2, async_checkpoint=True)
+    assert checkpoint.is_file()  # a whole model: one file, written by rank 0's background thread
+    assert_continues(train(tmp_path / "resumed", devices=2, ckpt_path=checkpoint, async_checkpoint=True), reference)
