@@ -13,7 +13,7 @@ children of a rank 0 that dies, and the ranks of other nodes, are not told.
 So every rank runs a ``RankWatchdog`` thread for the length of a Trainer call. Through a client of its
 own to the process group's ``TCPStore`` it
 
-1. beats: adds one to its counter every ``interval`` seconds;
+1. beats: adds one to its counter every ``interval`` seconds (a fifth of ``timeout``, at most one);
 2. watches one neighbour (rank r watches rank r + 1, so the store serves O(1) requests per rank, and a
    whole lost node is seen by the rank before it): a counter that has not moved for ``timeout``
    seconds, of a rank that did not finish its Trainer call, is a lost rank, and the watcher records
@@ -44,7 +44,8 @@ import torch.distributed as dist
 from lightning_parallel.errors import LightningParallelError
 
 PREFIX = "lightning_parallel/watchdog"
-BEATS_PER_TIMEOUT = 5  # heartbeats within one ``timeout``
+BEATS_PER_TIMEOUT = 5  # heartbeats within one ``timeout``, at least
+MAX_INTERVAL = 1.0  # seconds between two heartbeats, at most
 
 
 class LostRankError(LightningParallelError, RuntimeError):
@@ -73,7 +74,8 @@ class RankWatchdog:
         client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=max(timeout, 30.0)))
         self.store = dist.PrefixStore(f"{PREFIX}/{call}", client)
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
-        self.interval = timeout / BEATS_PER_TIMEOUT
+        # beats (and reads of the record) at least once a second, so a record is read within a second
+        self.interval = min(timeout / BEATS_PER_TIMEOUT, MAX_INTERVAL)
         self.neighbour = (rank + 1) % world_size
         self.raising = False  # this rank is handling its own error
         self._read = False  # this rank has read the record of what ended the run
