@@ -35,13 +35,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_parallel.compat import autograd_engine, tree_map
+from lightning_parallel.compat import attached_trainer, autograd_engine, tree_map
 from lightning_parallel.mesh import ParallelMesh, local_part
 from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline.backward_split import SplitUnsupported, backward_input
 from lightning_parallel.pipeline.broadcast import broadcast_object
 from lightning_parallel.pipeline.compare import close, floating_tensors
 from lightning_parallel.pipeline.errors import PipelineConfigError, PipelineIncompatibleModel
+from lightning_parallel.pipeline.generation import refuse_generation
 from lightning_parallel.pipeline.isolation import untouched
 from lightning_parallel.pipeline.logs import LogCapture, replay
 from lightning_parallel.pipeline.memory import ActivationMeter
@@ -127,6 +128,7 @@ class PipelineEngine:
         is a mean (``targets``; on the meta device, learnt from the first real step instead).
         """
         mesh, rank = self.mesh, self.mesh.pp_rank
+        refuse_generation(self.module, self._steps_run(step))
         order = None
         on_meta = any(p.is_meta for p in self.module.parameters())
         if example is not None:
@@ -158,6 +160,13 @@ class PipelineEngine:
         if order is not None:
             with meta_device(self.module, on_meta):
                 self._probe(order, meta_batch(micro) if on_meta else micro, step_fn, on_meta)
+
+    def _steps_run(self, step: str) -> list[str]:
+        """The steps the Trainer's current loop runs under the pipeline: ``step``, and while fitting
+        ``validation_step`` unless validation is skipped."""
+        trainer = attached_trainer(self.module)
+        validates = trainer is not None and trainer.limit_val_batches != 0
+        return [step, "validation_step"] if step == "training_step" and validates else [step]
 
     def run_stages(self, batch: Any, step: str) -> None:
         """Run each of this rank's stages forward once on the first micro-batch of ``batch`` (a batch as

@@ -16,3 +16,19 @@ REENTRANT = (
     "(torch.utils.checkpoint(..., use_reentrant=True)) runs it; its recomputation in backward cannot start from the "
     "hidden state a pipeline stage receives. Use use_reentrant=False, which pipeline stages support"
 )
+NO_GRAD = (
+    "block {index} runs with gradients disabled inside the step itself (torch.no_grad() or torch.inference_mode() "
+    "around the model call); the pipeline's setup trace follows the hidden state from block to block through "
+    "autograd, which records nothing there. Remove it from the step: Lightning already runs validation, test and "
+    "predict without gradients, and a frozen part is frozen with requires_grad_(False)"
+)
+
+
+def without_gradients(index: int) -> str:
+    """Why block ``index`` running with gradients disabled in a training forward or the setup trace is
+    refused: reentrant activation checkpointing runs it so, or the step itself disables them."""
+    import traceback
+
+    checkpointing = any(f.filename.replace("\\", "/").endswith("torch/utils/checkpoint.py")
+                        for f in traceback.extract_stack())
+    return (REENTRANT if checkpointing else NO_GRAD).format(index=index)

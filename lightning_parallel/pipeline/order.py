@@ -27,7 +27,7 @@ for such values reaching a place the hidden state does not carry them:
   (``output_hidden_states`` mixed into the loss);
 * a parameter-holding module outside the blocks may not run between or inside them, nor both before
   and after them; the blocks run once each, in order; none runs with gradients disabled (reentrant
-  activation checkpointing).
+  activation checkpointing, or ``torch.no_grad()`` inside the step itself).
 
 Parameters are made to require gradients for the trace, so frozen parts (LoRA) leave a graph too.
 Dependencies outside autograd (integer tensors, Python numbers, attributes set during forward) are
@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from lightning_parallel.pipeline.errors import REENTRANT, PipelineIncompatibleModel
+from lightning_parallel.pipeline.errors import PipelineIncompatibleModel, without_gradients
 
 BEFORE, BETWEEN, AFTER = "before", "between", "after"
 
@@ -149,7 +149,7 @@ class _Recorder:
     def block_pre(self, index: int):
         def hook(_module, args, kwargs):
             if not torch.is_grad_enabled():
-                raise PipelineIncompatibleModel(REENTRANT.format(index=index))
+                raise PipelineIncompatibleModel(without_gradients(index))
             self.entered.append(index)
             if index not in self.inputs:
                 self.inputs[index], self.extras[index] = _hidden_input(args, kwargs)

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from lightning_parallel.compat import in_backward, tree_flatten, tree_map
-from lightning_parallel.pipeline.errors import REENTRANT, PipelineIncompatibleModel
+from lightning_parallel.pipeline.errors import PipelineIncompatibleModel, without_gradients
 from lightning_parallel.pipeline.partition import StagePlan
 
 TENSOR = 0  # how a block returns its hidden state: the tensor itself (0), or element 0 of a tuple of that length
@@ -175,7 +175,7 @@ class BlockDispatch:
             if forward is None or self.index > rt.last_block:
                 raise RuntimeError(f"block {self.index} runs on another pipeline stage; the stage should have ended")
             if rt.training and not torch.is_grad_enabled():
-                raise PipelineIncompatibleModel(REENTRANT.format(index=self.index))
+                raise PipelineIncompatibleModel(without_gradients(self.index))
             call_args = (hidden,) + rest_args if args else rest_args
             if not args:
                 rest_kwargs = dict(rest_kwargs, hidden_states=hidden)

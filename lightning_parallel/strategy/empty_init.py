@@ -283,8 +283,8 @@ class _Recorder(TorchFunctionMode):
                 self.copies.pop(id(target))
             elif any(self.alias(t) or self.copy_of(t) is not None for t in tree_flatten((args, kwargs))[0]):
                 return self._read(func, args, kwargs)
-            if self.devices:
-                args, kwargs = tree_map(self.on_eager_device, (args, kwargs))
+            if self.devices and not any(isinstance(t, Tensor) and t.is_meta for t in tree_flatten((args, kwargs))[0]):
+                args, kwargs = tree_map(self.on_eager_device, (args, kwargs))  # a meta tensor stays on meta
             return func(*args, **kwargs)
         param, path = found
         history = history_of(param)

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten
 
 from lightning_parallel.checkpoint.pretrained import SafetensorsTensor, read_shard
 from lightning_parallel.compat import _sync_module_states_over
@@ -99,7 +100,8 @@ def broadcast_recorded_values(model: nn.Module) -> int:
     alike), the values recorded for its parameters (``nn.Parameter(torch.randn(...))``) and its
     buffers. Values read from one file agree and stay. One broadcast of the generator states, one
     all-reduce of fingerprints, then a broadcast of only the tensors that differ; collective over all
-    ranks. Returns how many tensors were broadcast."""
+    ranks. Values that construction computed from others and recorded calls write (``empty_init.py``)
+    are compared and sent like the recorded values. Returns how many tensors were broadcast."""
     histories = list({id(h): h for p in model.parameters() if (h := history_of(p)) is not None}.values())
     group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
     drawn = [op for h in histories for op in h.ops if op.rng is not None]
@@ -109,7 +111,10 @@ def broadcast_recorded_values(model: nn.Module) -> int:
         for op, state in zip(drawn, states):
             op.rng = state.clone()  # a generator takes a state that starts its own storage
     values = [h for h in histories if isinstance(h.initial, torch.Tensor)]
-    tensors = [h.initial for h in values] + [b for b in model.buffers() if not b.is_meta]
+    # tensors the recorded calls write (rows drawn from the old rows' statistics by resize_token_embeddings)
+    written = [t for h in histories for op in h.ops for t in tree_flatten((op.args, op.kwargs))[0]
+               if isinstance(t, torch.Tensor) and not t.is_meta]
+    tensors = [h.initial for h in values] + [b for b in model.buffers() if not b.is_meta] + written
     prints = torch.stack([_fingerprint(t.cpu()) for t in tensors]) if tensors else torch.zeros(0, 3, dtype=torch.float64)
     highest, lowest = prints.clone(), prints.clone()
     dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)

@@ -18,6 +18,7 @@ Dropout on attention probabilities acts on sharded heads, so it draws from the p
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Optional
 
@@ -122,7 +123,7 @@ class ParallelMultiheadAttention(nn.Module):
         causal = is_causal and mask is None and not need_weights
         p = self.dropout if self.training else 0.0
 
-        with self.rng.fork():
+        with self.rng.fork() if self.training else nullcontext():  # evaluation draws nothing, as on one device
             if need_weights:
                 scores = q @ k.transpose(-2, -1) / self.head_dim**0.5  # (b, h/tp, t, s)
                 if is_causal and mask is None:
@@ -155,7 +156,7 @@ def tp_causal_attention_forward(self, x: torch.Tensor) -> torch.Tensor:
     B, T, _ = qkv.shape
     # (b, s, heads/tp * head_dim) -> (b, heads/tp, s, head_dim)
     q, k, v = (t.view(B, T, parts.local_heads, -1).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
-    with parts.rng.fork():
+    with parts.rng.fork() if self.training else nullcontext():  # evaluation draws nothing, as on one device
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=parts.dropout if self.training else 0.0)
     y = getattr(self, parts.out)(y.transpose(1, 2).reshape(B, T, -1))  # (b, s(/tp), d)
     return getattr(self, parts.resid_dropout)(y) if parts.resid_dropout else y

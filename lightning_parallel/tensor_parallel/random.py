@@ -71,11 +71,12 @@ def split_region_random(parent: nn.Module, colwise: list[nn.Module], rowwise: li
     """Random ops in ``parent`` from the first colwise layer's start to a rowwise layer's start act
     on split activations (an attention's heads, an MLP's hidden features): they draw from the
     per-rank stream. Hugging Face attention drops probabilities inside its own code, so the switch
-    is made by hooks; it ends at the latest when ``parent`` returns."""
+    is made by hooks; it ends at the latest when ``parent`` returns. In evaluation mode nothing
+    switches, so the default stream moves as on one device (a sampled ``generate`` draws the same)."""
     state: dict[str, tuple] = {}
 
     def enter(*_):
-        if "saved" not in state:
+        if "saved" not in state and parent.training:  # evaluation drops nothing: it draws nothing, as on one device
             state["saved"] = rng.enter()
 
     def leave(*_):

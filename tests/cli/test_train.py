@@ -127,3 +127,34 @@ def test_lp_train_with_two_data_parallel_processes_shares_one_run_folder(tmp_pat
     final = re.findall(r"final val_loss (\d+\.\d+)", result.stdout)
     # printed once, by rank 0; 20 steps on 2 x 8 windows fall well below the uniform loss
     assert len(final) == 1 and float(final[0]) < 0.85 * UNIFORM_LOSS
+
+
+def resized_llama(folder: str, tokens: int):
+    """A pretrained model with tokens added (``model._target_`` of the test below)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    model.resize_token_embeddings(tokens)
+    return model
+
+
+@pytest.mark.timeout(60)
+def test_init_auto_builds_a_model_whose_construction_reads_values_on_meta_with_eager_values(tmp_path, caplog):
+    import lightning as L
+    from omegaconf import OmegaConf
+
+    from lightning_parallel.cli.train import _build_model
+    from tests.helpers.pretrained import save_tiny_llama
+
+    pytest.importorskip("transformers").logging.set_verbosity_error()
+    folder = save_tiny_llama(tmp_path, vocab=128)
+    cfg = OmegaConf.create({"model": {"_target_": f"{__name__}.resized_llama", "folder": folder, "tokens": 131}})
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    torch.manual_seed(0)
+    with caplog.at_level("INFO", logger="lightning_parallel"):
+        built = _build_model(cfg, trainer)
+    assert "built on the meta device" in caplog.text
+    torch.manual_seed(0)
+    eager = dict(resized_llama(folder, 131).named_parameters())
+    for name, value in built.named_parameters():
+        assert torch.equal(value, eager[name]), name

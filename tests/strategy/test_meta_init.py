@@ -127,7 +127,7 @@ def test_values_given_by_the_constructor_are_kept_and_a_parameter_nothing_sets_i
             self.offset = nn.Parameter(torch.empty(4)) if unset else None  # nothing ever sets it
             if copied:
                 with torch.no_grad():
-                    self.proj.bias.copy_(self.scale)  # from another meta tensor: nothing to replay
+                    self.proj.bias.copy_(torch.empty(4, device="meta"))  # from a meta tensor: nothing to replay
 
     with empty_parameters():
         model = Scaled()

@@ -305,3 +305,34 @@ def test_tokens_added_after_from_pretrained_on_meta_train_like_one_device(folder
     expected = _fit(tmp_path, args)[0]["losses"]
     for layout in ("tp2", "pp2"):
         _assert_losses(_fit(tmp_path, args, DEVICES[layout], True, **LAYOUTS[layout]), expected)
+
+
+def _resized_on_unseeded_rank(rank, world, folder):
+    """This rank's materialised resized model, built after a seed of its own (a popen or torchrun launch
+    whose script does not seed): the strategy's broadcast makes it rank 0's construction."""
+    from lightning_parallel.strategy.materialize import (
+        UnsplitModel,
+        broadcast_recorded_values,
+        empty_parameters,
+        materialize,
+    )
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(rank)
+    with empty_parameters():
+        model = _resized(folder, 131)()
+    broadcast_recorded_values(model)
+    materialize(model, UnsplitModel.of(model), 0, 1, torch.device("cpu"), 0)
+    return {name: p.detach() for name, p in model.named_parameters() if "embed" in name or "lm_head" in name}
+
+
+@pytest.mark.timeout(120)
+def test_rows_drawn_by_resizing_on_ranks_seeded_apart_are_rank_zeros(folder):
+    from tests.helpers.processes import run_distributed
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    eager = dict(_resized(folder, 131)().named_parameters())
+    for values in run_distributed(_resized_on_unseeded_rank, 2, folder):
+        for name, value in values.items():
+            assert torch.equal(value, eager[name]), name

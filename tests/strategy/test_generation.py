@@ -1,0 +1,117 @@
+"""Evaluation that generates: ``validation_step`` / ``test_step`` / ``predict_step`` calling
+``self.model.generate(...)`` (greedy, and sampled under a seed; KV cache on).
+
+Under tensor parallelism every rank runs the whole decoding loop on its shards and gets one device's
+tokens. Under pipeline parallelism a decoding loop cannot run across the stages (see
+``pipeline/generation.py``): setup refuses it with that reason and what works, before any process waits
+on another.
+
+Tokens are compared exactly. At TP2 the logits differ from one device's by float32 reassociation only
+(~1e-6 relative); greedy picks the same token unless two logits are that close, and a seeded sample
+draws the same uniform numbers, so it differs only if one falls within ~1e-6 of a boundary between two
+tokens' cumulative probabilities: neither happens on this model's few dozen tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_parallel import ParallelStrategy
+from lightning_parallel.pipeline.errors import PipelineIncompatibleModel
+from lightning_parallel.pipeline.generation import generating_step, refuse_generation
+from tests.helpers.parity import TensorDataset
+from tests.helpers.pretrained import save_tiny_llama
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, PROMPT, NEW = 128, 6, 5
+
+
+class Generates(L.LightningModule):
+    """A fine-tuning module that measures itself by generating from prompts in every evaluation step."""
+
+    def __init__(self, folder: str, out: str = ""):
+        super().__init__()
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+        self.out = out
+        self.tokens: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def _generate(self, batch):
+        greedy = self.model.generate(batch, max_new_tokens=NEW, do_sample=False, use_cache=True, pad_token_id=0)
+        torch.manual_seed(7)
+        sampled = self.model.generate(batch, max_new_tokens=NEW, do_sample=True, top_k=0, use_cache=True,
+                                      pad_token_id=0)
+        return torch.cat([greedy, sampled], dim=1)
+
+    def validation_step(self, batch, batch_idx):
+        self.tokens.append(self._generate(batch))
+
+    def test_step(self, batch, batch_idx):
+        self.tokens.append(self._generate(batch))
+
+    def predict_step(self, batch, batch_idx):
+        return self._generate(batch)
+
+    def on_validation_epoch_end(self):
+        torch.save(torch.cat(self.tokens), os.path.join(self.out, f"rank{self.global_rank}.pt"))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    return save_tiny_llama(tmp_path_factory.mktemp("generation") / "llama", vocab=VOCAB)
+
+
+def _prompts() -> DataLoader:
+    prompts = torch.randint(1, VOCAB, (4, PROMPT), generator=torch.Generator().manual_seed(3))
+    return DataLoader(TensorDataset(prompts), batch_size=2)
+
+
+def _validate(folder: str, out, devices: int = 1, strategy="auto") -> list[torch.Tensor]:
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    os.makedirs(out, exist_ok=True)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.validate(Generates(folder, str(out)), _prompts())
+    return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(devices)]
+
+
+@pytest.mark.timeout(180)
+def test_generate_in_validation_step_at_tp2_gives_one_devices_tokens(folder, tmp_path):
+    expected = _validate(folder, tmp_path / "one")[0]
+    assert expected.shape == (4, 2 * (PROMPT + NEW))
+    strategy = ParallelStrategy(tensor_parallel=2, start_method="fork", timeout=60)
+    for tokens in _validate(folder, tmp_path / "tp2", 2, strategy):
+        assert torch.equal(tokens, expected)
+
+
+@pytest.mark.timeout(120)
+def test_generate_in_validation_step_at_pp2_is_refused_at_setup_with_the_reason_and_what_works(folder, tmp_path):
+    strategy = ParallelStrategy(pipeline_parallel=2, start_method="fork", timeout=60)
+    with pytest.raises(Exception) as refused:  # the workers' error, as Lightning's launcher re-raises it
+        _validate(folder, tmp_path / "pp2", 2, strategy)
+    message = str(refused.value)
+    assert "validation_step calls generate()" in message and "decoding loop" in message
+    assert "tensor_parallel" in message and "activation checkpointing" not in message
+
+
+def test_every_evaluation_step_that_generates_is_found_and_fit_names_the_validation_to_skip(folder):
+    transformers.logging.set_verbosity_error()
+    module = Generates(folder)
+    for step in ("validation_step", "test_step", "predict_step"):
+        assert generating_step(module, [step]) == step
+    assert generating_step(module, ["training_step"]) is None
+    with pytest.raises(PipelineIncompatibleModel, match="limit_val_batches=0"):
+        refuse_generation(module, ["training_step", "validation_step"])
