@@ -67,7 +67,7 @@ def job_env() -> dict[str, str]:
 def _two_nodes_unavailable() -> str | None:
     result = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=30,
                             check=False)
-    up = [line for line in result.stdout.splitlines() if line.split()[-1].rstrip("*") in ("idle", "mixed", "allocated")]
+    up = [line for line in result.stdout.splitlines() if line.split()[-1] in ("idle", "mixed", "allocated")]
     if len(up) < 2:
         return f"the two-node tests need two SLURM nodes up (sinfo: {result.stdout.strip()}); run .ci/local_slurm.sh up"
     return None
