@@ -67,7 +67,7 @@ def job_env() -> dict[str, str]:
 def _two_nodes_unavailable() -> str | None:
     result = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], capture_output=True, text=True, timeout=30,
                             check=False)
-    up = [line for line in result.stdout.splitlines() if line.split()[-1].rstrip("*") in ("idle", "mixed", "allocated")]
+    up = [line for line in result.stdout.splitlines() if line.split()[-1] in ("idle", "mixed", "allocated")]
     if len(up) < 2:
         return f"the two-node tests need two SLURM nodes up (sinfo: {result.stdout.strip()}); run .ci/local_slurm.sh up"
     return None
@@ -216,7 +216,8 @@ def test_job_whose_tasks_on_one_node_are_killed_is_requeued_and_resumes_with_the
 @pytest.mark.timeout(JOB_TIMEOUT + 60)
 def test_mismatched_layout_fails_before_any_rank_starts(two_nodes, tmp_path):
     # 2 x 2 x 2 = 8 processes asked of a 2-node x 2-task allocation
-    job = sbatch(tmp_path, *TWO_NODES, str(SBATCH_SCRIPT), *THREE_D_ON_TWO_NODES, "strategy.data_parallel=2")
+    job = sbatch(tmp_path, *TWO_NODES, str(SBATCH_SCRIPT), "+recipe=gpt_3d_cpu", "trainer.num_nodes=2", "trainer.devices=2",
+                 "strategy.data_parallel=2")
     assert wait_for(job, timeout=JOB_TIMEOUT) == "FAILED"
     log = (tmp_path / f"lp-train-{job}.out").read_text()
     assert "needs 8 processes, but the allocation has 2 node(s) x 2 = 4" in log
