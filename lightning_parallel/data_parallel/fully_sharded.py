@@ -97,7 +97,8 @@ def rows_of(rows: torch.Tensor, like: DTensor) -> DTensor:
     ``like``'s device (where ``rows`` are when ``like`` is still on the meta device)."""
     _, count = shard_rows(like.shape[0], *shard_coordinate(like))
     local = rows.reshape(count, *like.shape[1:]).to(rows.device if like.is_meta else like.device)
-    return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride(), run_check=False)
+    return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride(),
+                              run_check=False)
 
 
 def sharded_like(value: torch.Tensor, like: DTensor) -> DTensor:

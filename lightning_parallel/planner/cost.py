@@ -199,7 +199,8 @@ def predict(candidate: Candidate, work: StageWork, dims: TransformerDims, cluste
     gathers = 2 if lay.zero == 3 and lay.pp == 1 else 1
     dp_bytes = held * (g_bytes + gathers * gathered) / 2 if lay.zero else held * g_bytes
     buckets = math.ceil(held * g_bytes / BUCKET_BYTES)
-    dp_time, dp_through = ring_allreduce(dp_bytes, shards, _bandwidth(dp_ranks[:shards], cluster), rates.latency * buckets)
+    dp_time, dp_through = ring_allreduce(dp_bytes, shards, _bandwidth(dp_ranks[:shards], cluster),
+                                         rates.latency * buckets)
     if shards < lay.dp * cp:  # hybrid sharding: the shard's gradients all-reduced across the shard groups
         across, across_through = ring_allreduce(held * g_bytes / shards, lay.dp * cp // shards,
                                                 _bandwidth(dp_ranks[::shards], cluster), rates.latency * buckets)

@@ -10,9 +10,10 @@ Data-parallel replicas (and context-parallel ranks) hold identical gradients aft
 so no DP reduction is needed; under ZeRO each replica holds a disjoint part (ZeRO-1's slices of the
 DP x CP group, ZeRO-2/3's DTensor shards: their local parts are used), so the squared norms are
 summed over the group whose parts are disjoint: the DP x CP group, or under hybrid sharding the shard
-group alone (its replicate peers hold the same rows, which would be counted again). Under expert parallelism the ranks of an expert-parallel group hold
-different experts, so the experts' squared norms are summed over that group instead (each replica of
-an expert holds its whole gradient, even under ZeRO-1, which shards only the dense parameters' state).
+group alone (its replicate peers hold the same rows, which would be counted again). Under expert
+parallelism the ranks of an expert-parallel group hold different experts, so the experts' squared norms
+are summed over that group instead (each replica of an expert holds its whole gradient, even under
+ZeRO-1, which shards only the dense parameters' state).
 """
 
 from __future__ import annotations

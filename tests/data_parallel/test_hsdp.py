@@ -2,11 +2,12 @@
 replicated across them. The groups' arithmetic, the refusals of sizes that do not fit, and parity with one
 device.
 
-Tolerances as in test_zero_sharded.py: the runs differ from one device only in the association of float32
-sums (a mean of replica means; a reduce-scatter inside a shard group then an all-reduce across groups
-against one device's sum), so losses agree to 1e-5 and parameters after AdamW to 5e-5. A gradient averaged
-over the shard group only, or summed over the replicate group without dividing, is off by O(lr) = 1e-2; a
-clip on a norm that counts every replicate peer's rows again scales the step by up to 1/sqrt(2).
+Tolerances: the documented float32 parity bound (losses 1e-5, parameters 1e-4 after several AdamW steps);
+the runs differ from one device only in the association of float32 sums (a mean of replica means; a
+reduce-scatter inside a shard group then an all-reduce across groups against one device's sum). A gradient
+averaged over the shard group only, or summed over the replicate group without dividing, is off by
+O(lr) = 1e-2; a clip on a norm that counts every replicate peer's rows again scales the step by up to
+1/sqrt(2) (measured: parameters then off by more than 1e-4).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def test_zero3_shard2_on_4_ranks_with_accumulation_and_clipping_matches_single_d
     assert_close_series(mean_over_ranks(recs), ref["losses"], atol=1e-5)
     assert ref["losses"][-1] < ref["losses"][0]
     for rec in recs:
-        assert_params_close(rec["params"], ref["params"], atol=5e-5)
+        assert_params_close(rec["params"], ref["params"], atol=1e-4)
     # ranks 0 1 shard every parameter in halves, and ranks 2 3 hold the same halves
     held = [torch.load(tmp_path / f"held{r}.pt") for r in range(4)]
     assert held[0]["placements"] == (Replicate(), Shard(0))
