@@ -59,7 +59,8 @@ from lightning_parallel.errors import LaunchError
 
 
 class MeshError(LaunchError):
-    """A layout that cannot be built from the world size."""
+    """Sizes that do not fit: a layout that cannot be built from the world size, or that the model does not
+    split into (a refusal then lists the layouts the model runs, ``checks/layouts.py``)."""
 
 
 def splits_world_communicator() -> bool:

@@ -136,11 +136,11 @@ def check_layout(options: ParallelOptions, num_nodes: int, devices_per_node: int
         fitting = _layouts(world, devices_per_node, runs)
         lines.append(f"Layouts that fit {world} processes with TP inside a node: "
                      f"{', '.join(fitting[:10]) or 'none'}" + (":" if fixes else ""))
-        raise LaunchError("\n".join(lines), fixes) from None
+        raise MeshError("\n".join(lines), fixes) from None
     if devices_per_node % tp:
         fitting = [t for t in divisors(devices_per_node) if world % (t * pp * cp) == 0]
         best = max(t for t in fitting if t <= tp)
-        raise LaunchError(
+        raise MeshError(
             f"tensor_parallel={tp} does not divide the {devices_per_node} devices per node, so a tensor "
             f"parallel group would span two nodes (every layer all-reduces within it). Use a TP size that "
             f"divides {devices_per_node} ({', '.join(map(str, fitting))}), e.g.",
@@ -158,7 +158,7 @@ def _with_experts(mesh: ParallelMesh, ep: int) -> ParallelMesh:
     dp = mesh.dp_size
     if dp % ep:
         fitting = [e for e in divisors(dp) if e > 1]
-        raise LaunchError(
+        raise MeshError(
             f"expert_parallel={ep} does not divide data_parallel={dp}: the ranks holding different experts are "
             f"data-parallel replicas of one another. Use expert_parallel in ({', '.join(map(str, fitting)) or 'none'})"
             f", or launch a multiple of {ep} replicas" + (":" if fitting else "."),

@@ -12,7 +12,7 @@ work as written. Pure: the checks read module shapes, on the meta device or not;
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -21,7 +21,7 @@ from torch import nn
 from lightning_parallel.checks.launch import check_layout
 from lightning_parallel.checks.model import check_model, check_training_mode
 from lightning_parallel.errors import Fix, LaunchError, LightningParallelError, lead_in_dropped
-from lightning_parallel.mesh import ParallelMesh
+from lightning_parallel.mesh import MeshError, ParallelMesh
 from lightning_parallel.options import AUTO, ParallelOptions
 from lightning_parallel.tensor_parallel.resolve import divisors
 
@@ -192,11 +192,11 @@ def layout_fixes(launch: Launch) -> list[Fix]:
     return same_processes(launch) + other_devices(launch)
 
 
-def checked_fixes(launch: Launch, fixes: Sequence[Fix]) -> list[Fix]:
-    """``fixes`` that pass (or name settings the checks cannot try), then the layouts the model runs,
-    each setting once."""
+def checked_fixes(launch: Launch, err: LaunchError) -> list[Fix]:
+    """``err``'s fixes that pass (or name settings the checks cannot try), then, where the sizes are what does
+    not fit (``MeshError``), the layouts the model runs; each setting once."""
     kept, seen = [], set()
-    for fix in [*fixes, *layout_fixes(launch)]:
+    for fix in [*err.fixes, *(layout_fixes(launch) if isinstance(err, MeshError) else [])]:
         key = tuple(sorted(fix.settings.items(), key=lambda kv: kv[0]))
         if key not in seen and launch.fix_passes(fix):
             seen.add(key)
@@ -205,6 +205,8 @@ def checked_fixes(launch: Launch, fixes: Sequence[Fix]) -> list[Fix]:
 
 
 def with_runnable_fixes(err: LaunchError, launch: Launch) -> LaunchError:
-    """``err`` with only the fixes ``launch``'s model runs, and the layouts it runs added."""
-    fixes = checked_fixes(launch, err.fixes)
-    return type(err)(err.problem if fixes else lead_in_dropped(err.problem), fixes)
+    """``err`` with only the fixes ``launch``'s model runs, and the layouts it runs where the sizes do not fit;
+    a ``MeshError`` is given to the user as the ``LaunchError`` it is."""
+    fixes = checked_fixes(launch, err)
+    refusal = LaunchError if isinstance(err, MeshError) else type(err)
+    return refusal(err.problem if fixes else lead_in_dropped(err.problem), fixes)

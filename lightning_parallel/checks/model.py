@@ -15,7 +15,7 @@ from lightning_parallel.expert_parallel.placement import (
     find_experts,
     owned_experts,
 )
-from lightning_parallel.mesh import ParallelMesh
+from lightning_parallel.mesh import MeshError, ParallelMesh
 from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline.errors import (
     PipelineConfigError,
@@ -83,10 +83,10 @@ def check_model(model: nn.Module, mesh: ParallelMesh,
             raise LaunchError(str(err)) from None
         fits = [p for p in divisors(mesh.world_size // mesh.tp_size) if p * virtual_stages <= blocks]
         if fits and max(fits) > 1:
-            raise LaunchError(f"{err}. Pipeline sizes that fit the model and the world: {fits}, e.g.",
+            raise MeshError(f"{err}. Pipeline sizes that fit the model and the world: {fits}, e.g.",
                               [Fix({"strategy.pipeline_parallel": max(fits), "strategy.data_parallel": "auto"})]
                               ) from None
-        raise LaunchError(f"{err}; or train without pipelining:", [Fix({"strategy.pipeline_parallel": 1})]) from None
+        raise MeshError(f"{err}; or train without pipelining:", [Fix({"strategy.pipeline_parallel": 1})]) from None
     return assignments, plan
 
 
@@ -196,7 +196,7 @@ def _tp_refusal(model: nn.Module, mesh: ParallelMesh, options: ParallelOptions, 
     fits = [t for t in allowed if t < tp and mesh.world_size % t == 0]
     fix = (Fix({"strategy.tensor_parallel": 1}, "data parallelism only") if fits == [1] else
            Fix({"strategy.tensor_parallel": max(fits), "strategy.data_parallel": "auto"}) if fits else None)
-    return LaunchError(problem + (", e.g." if fix else ""), [fix] if fix else [])
+    return MeshError(problem + (", e.g." if fix else ""), [fix] if fix else [])
 
 
 def check_training_mode(model: nn.Module, pipeline_parallel: int, automatic_optimization: bool,

@@ -226,7 +226,7 @@ def explain_failure(err: Exception, prog: str, overrides: list[str], cfg: DictCo
         return str(err)
     fixes = list(err.fixes)
     if isinstance(err, LaunchError) and not parallel_options(cfg).is_auto and (launch := _launch_of(cfg)) is not None:
-        fixes = checked_fixes(launch, fixes)  # its own that the model runs, then the layouts it runs
+        fixes = checked_fixes(launch, err)  # its own that the model runs, then the layouts it runs
     return explained(err.problem, prog, overrides, fixes, cfg, launch_error)
 
 

@@ -53,7 +53,7 @@ CASES = {
     "tp_size_does_not_divide_heads": (
         dict(tensor_parallel=2), dict(n_embd=30, n_head=3),
         "transformer.h.0.attn: number of heads = 3 is not divisible by tensor_parallel=2",
-        "ParallelStrategy(tensor_parallel=1)",
+        "ParallelStrategy(tensor_parallel=3), Trainer(devices=3)",  # after tensor_parallel=1 on the 2 devices
     ),
     "misspelled_glob": (
         dict(tensor_parallel=2, tp_plan={"transformer.h.*.atn.c_attn": "colwise"}), {},
