@@ -10,6 +10,8 @@ format, readable by its own tools such as ``format_utils.dcp_to_torch_save``):
   ZeRO-1 each data-parallel rank writes, and reads back, only its own slice of those states
   (``chunks.slice_chunks``), so no rank gathers another's; under ZeRO-2/3 likewise its rows of the
   parameters themselves and of their states (DTensors: ``data_parallel.fully_sharded.local_slice``);
+- with a weight-averaging callback (Lightning's ``WeightAveraging``, which puts the average in
+  ``state_dict``), the module's own weights as ``current_model_state.<name>``, split like the model;
 - ``lightning_parallel.pp<p>-tp<t>``: what pipeline rank p and TP rank t list of their parameters
   (their place in the unsplit model's order, optimizer groups), used by ``lp-consolidate``.
 
@@ -51,6 +53,9 @@ from lightning_parallel.data_parallel.fully_sharded import local_slice
 
 METADATA = ".metadata"
 OPTIMIZER_PREFIX, PIECE_PREFIX = "optimizer.", "lightning_parallel."
+#: the module's weights beside their average: Lightning's ``WeightAveraging`` checkpoint entry of that name
+CURRENT_MODEL_PREFIX = "current_model_state."
+_PREFIXES = (OPTIMIZER_PREFIX, PIECE_PREFIX, CURRENT_MODEL_PREFIX)
 
 
 def is_dcp_checkpoint(path: Path) -> bool:
@@ -134,10 +139,14 @@ def read_metadata(folder: Path) -> Metadata:
     return FileSystemReader(folder).read_metadata()
 
 
-def tensor_shapes(metadata: Metadata) -> dict[str, tuple[int, ...]]:
-    """Global shape of every model tensor in the checkpoint."""
-    return {fqn: tuple(md.size) for fqn, md in metadata.state_dict_metadata.items()
-            if isinstance(md, TensorStorageMetadata) and not fqn.startswith((OPTIMIZER_PREFIX, PIECE_PREFIX))}
+def tensor_shapes(metadata: Metadata, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """Global shape of every model tensor in the checkpoint, by name; with ``prefix``
+    (``CURRENT_MODEL_PREFIX``), of every tensor of the state dict saved under it."""
+    def under(fqn: str) -> bool:
+        return fqn.startswith(prefix) if prefix else not fqn.startswith(_PREFIXES)
+
+    return {fqn[len(prefix):]: tuple(md.size) for fqn, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata) and under(fqn)}
 
 
 def incomplete_tensors(metadata: Metadata, names: list[str]) -> list[str]:

@@ -25,11 +25,7 @@ from lightning_parallel.checkpoint.atomic import remove_checkpoint_dir, save_fil
 from lightning_parallel.checkpoint.background import BackgroundSaves, writes_default_files
 from lightning_parallel.checkpoint.hf_models import RECORD_KEY as HF_RECORD_KEY
 from lightning_parallel.checkpoint.hf_models import describe as describe_hf_models
-from lightning_parallel.checks.trainer_flags import (
-    averaged_checkpoint_refusal,
-    averaging_callbacks,
-    split_layout,
-)
+from lightning_parallel.checks.trainer_flags import averaged_checkpoint_refusal, unsaved_average
 from lightning_parallel.compat import _optimizers_to_device, attached_trainer
 from lightning_parallel.errors import LaunchError
 
@@ -66,9 +62,9 @@ class SplitCheckpoints:
                 save_file(checkpoint, Path(filepath))
             return None
         trainer = attached_trainer(self.lightning_module)
-        averaging = averaging_callbacks(trainer) if trainer is not None else []
-        if averaging:  # trainer.save_checkpoint(...) without a checkpoint callback (those are refused at setup)
-            raise LaunchError(averaged_checkpoint_refusal(averaging[0], split_layout(self.options)) +
+        unsaved = unsaved_average(trainer.callbacks, self.options) if trainer is not None else None
+        if unsaved is not None:  # trainer.save_checkpoint(...) without a checkpoint callback (those are refused at setup)
+            raise LaunchError(averaged_checkpoint_refusal(unsaved, self.options) +
                               " Save the model once training has ended, without the callback in the Trainer.")
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported with a "

@@ -69,9 +69,11 @@ def swa() -> Callback:
 RUNS = {ema: dict(max_steps=4), swa: dict(max_steps=-1, max_epochs=3, limit_train_batches=2)}
 
 
-def fit(tmp_path, name: str, averaging, strategy=None, devices: int = 1, replicas: int = 1) -> list[dict]:
+def fit(tmp_path, name: str, averaging, strategy=None, devices: int = 1, replicas: int = 1,
+        **trainer_args) -> list[dict]:
     """Fit the tiny GPT with ``averaging()`` on ``devices`` processes (one process reading the global
-    batches of ``replicas`` replicas when ``strategy`` is None); the averaged parameters of each rank."""
+    batches of ``replicas`` replicas when ``strategy`` is None); the averaged parameters of each rank
+    (``params``) and the module's own (``final``). ``trainer_args`` replace the callback's ``RUNS``."""
     out = str(tmp_path / name)
     L.seed_everything(0, verbose=False)
     model = tiny_gpt()
@@ -79,16 +81,18 @@ def fit(tmp_path, name: str, averaging, strategy=None, devices: int = 1, replica
     records = fit_and_record(model, token_data(), batch_size=PER_RANK_BATCH * (replicas if one_device else 1),
                              out_dir=out, devices=devices, strategy=strategy or "auto",
                              emulate_replicas=replicas if one_device else 0,
-                             callbacks=[averaging(), AveragedRecord(out)], **RUNS[averaging])
+                             callbacks=[averaging(), AveragedRecord(out)], **{**RUNS[averaging], **trainer_args})
     averaged = [torch.load(os.path.join(out, f"averaged{r}.pt"), weights_only=False) for r in range(devices)]
     for record, average in zip(records, averaged):
         record["final"], record["params"], record["shards"] = record["params"], average["params"], average["shards"]
     return records
 
 
-def one_replica(records: list[dict], dp: int, tp: int, pp: int) -> dict[str, torch.Tensor]:
-    """The whole averaged model from data-parallel replica 0's ranks (stage by stage, shard by shard)."""
-    replica = [records[(p * dp) * tp + t] for p in range(pp) for t in range(tp)]
+def one_replica(records: list[dict], dp: int, tp: int, pp: int, key: str = "params") -> dict[str, torch.Tensor]:
+    """The whole averaged model (``key="final"``: the module's own weights) from data-parallel replica 0's
+    ranks (stage by stage, shard by shard)."""
+    replica = [{**records[(p * dp) * tp + t], "params": records[(p * dp) * tp + t][key]}
+               for p in range(pp) for t in range(tp)]
     if tp > 1:
         return gather_records(replica)
     return {name: value for record in replica for name, value in record["params"].items()}
@@ -123,3 +127,29 @@ def test_ema_under_zero3_equals_lightning_ddp_average(tmp_path):
                 devices=2)
     for record in zero3:
         assert_same_average(record["params"], ddp[0])
+
+
+#: EMA over two epochs of two steps; the default ModelCheckpoint saves at the end of the first
+EPOCHS = dict(max_steps=-1, limit_train_batches=2)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("layout", ["dp_zero3", "tp"])
+def test_ema_checkpoint_of_a_split_model_resumes_the_uninterrupted_run(tmp_path, layout):
+    """The checkpoint holds the average and the module's weights, each rank's part (``checkpoint/io.py``):
+    resumed from it, both continue as in one uninterrupted run. A lost or misplaced module state
+    resumes the module from the average (the callback's fallback), which moves it by about lr x steps."""
+    dp, tp, _, stage = LAYOUTS[layout]
+    reference = fit(tmp_path, "ref", ema, replicas=dp, max_epochs=2, **EPOCHS)[0]
+
+    def split_fit(name: str, **trainer_args) -> list[dict]:
+        strategy = ParallelStrategy(data_parallel=dp, tensor_parallel=tp, zero_stage=stage, start_method="fork")
+        return fit(tmp_path, name, ema, strategy, devices=dp * tp, **EPOCHS, **trainer_args)
+
+    split_fit("first", max_epochs=1, enable_checkpointing=True, default_root_dir=str(tmp_path / "first"))
+    checkpoint = tmp_path / "first" / "checkpoints" / "epoch=0-step=2.ckpt"
+    records = split_fit("resumed", max_epochs=2, ckpt_path=str(checkpoint))
+    assert_same_average(one_replica(records, dp, tp, 1), reference)
+    final = one_replica(records, dp, tp, 1, key="final")
+    for name, expected in reference["final"].items():
+        assert_param_close(final[name], expected, atol=PARAM_TOL, name=name)
