@@ -4,8 +4,7 @@ A split model (TP shards, pipeline stages, placed experts, or ZeRO-2/3 rows) is 
 process group exists, with Trainer features that assume every rank holds the whole model or runs
 Lightning's backward: stochastic weight averaging under pipeline parallelism (it switches Lightning's
 backward on again at each epoch end; elsewhere each rank averages its own part: ``strategy/averaging.py``),
-checkpoints of an average that a split model's checkpoint does not hold (SWA's, or any under pipeline
-parallelism),
+weight averaging with checkpoints under pipeline parallelism (not verified yet),
 ``sync_batchnorm`` under ZeRO-2/3 (layers replaced after the parameters were sharded), and a
 ``CheckpointIO`` plugin (a split model writes a directory of shards itself).
 """
@@ -37,23 +36,17 @@ def averaging_callbacks(callbacks: list) -> list:
 
 def unsaved_average(callbacks: list, options: ParallelOptions) -> Optional[Any]:
     """The first of ``callbacks`` whose average a checkpoint of the model split by ``options`` would not
-    hold. ``WeightAveraging`` puts the average in the checkpoint's ``state_dict`` and the module's
-    weights in ``current_model_state``, both written split like the model (``checkpoint/io.py``); under
-    pipeline parallelism that is not verified yet. ``StochasticWeightAveraging`` keeps its average
-    inside its own callback entry, which is written once, as metadata."""
-    for callback in averaging_callbacks(callbacks):
-        if isinstance(callback, StochasticWeightAveraging) or options.pp > 1:
-            return callback
-    return None
+    hold. The averages of ``WeightAveraging`` and ``StochasticWeightAveraging`` and the module's weights
+    beside them are written split like the model (``checkpoint/module_states.py``); under pipeline
+    parallelism that is not verified yet."""
+    averaging = averaging_callbacks(callbacks)
+    return averaging[0] if averaging and options.pp > 1 else None
 
 
 def averaged_checkpoint_refusal(callback: Any, options: ParallelOptions) -> str:
     """Why a checkpoint of the model split by ``options`` cannot hold ``callback``'s average."""
-    where = ("it keeps its average in its own checkpoint entry, written once, and each rank holds a different "
-             "part of it" if isinstance(callback, StochasticWeightAveraging)
-             else "a checkpoint of the average of each pipeline stage is not supported yet")
     return (f"Trainer(callbacks=[{type(callback).__name__}(...)]) with checkpoints is not supported with "
-            f"{split_layout(options)}: {where}.")
+            f"{split_layout(options)}: a checkpoint of the average of each pipeline stage is not supported yet.")
 
 
 def refuse_split_model_flags(trainer: Any, options: ParallelOptions, layer_sync: Any, checkpoint_io: Any) -> None:
@@ -68,11 +61,9 @@ def refuse_split_model_flags(trainer: Any, options: ParallelOptions, layer_sync:
         )
     unsaved = unsaved_average(trainer.callbacks, options)
     if unsaved is not None and trainer.checkpoint_callbacks:
-        alternative = "" if options.pp > 1 else ", or average with EMAWeightAveraging or WeightAveraging(avg_fn=...)"
         raise LaunchError(averaged_checkpoint_refusal(unsaved, options) + " Pass Trainer(enable_checkpointing=False) "
-                          "(the average is still computed, and copied into the model when training ends)"
-                          f"{alternative}, or train with DataParallelStrategy (zero_stage 0 or 1), whose checkpoints "
-                          "hold the average.")
+                          "(the average is still computed, and copied into the model when training ends), or train "
+                          "with pipeline_parallel=1, whose checkpoints hold the average.")
     if options.shards_parameters and layer_sync is not None:
         raise LaunchError(
             f"Trainer(sync_batchnorm=True) is not supported with {split}: it replaces the BatchNorm layers "

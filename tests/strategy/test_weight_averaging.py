@@ -129,26 +129,32 @@ def test_ema_under_zero3_equals_lightning_ddp_average(tmp_path):
         assert_same_average(record["params"], ddp[0])
 
 
-#: EMA over two epochs of two steps; the default ModelCheckpoint saves at the end of the first
+#: epochs of two steps; the default ModelCheckpoint saves at the end of each
 EPOCHS = dict(max_steps=-1, limit_train_batches=2)
+#: per callback, the epochs before the checkpoint and in all: EMA updates after every step, SWA averages
+#: at the end of the second epoch and the third
+RESUMED = {ema: (1, 2), swa: (2, 3)}
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("layout", ["dp_zero3", "tp"])
-def test_ema_checkpoint_of_a_split_model_resumes_the_uninterrupted_run(tmp_path, layout):
-    """The checkpoint holds the average and the module's weights, each rank's part (``checkpoint/io.py``):
-    resumed from it, both continue as in one uninterrupted run. A lost or misplaced module state
-    resumes the module from the average (the callback's fallback), which moves it by about lr x steps."""
+@pytest.mark.parametrize("layout, averaging", [("dp_zero3", ema), ("tp", ema), ("dp_zero3", swa)],
+                         ids=["dp_zero3-ema", "tp-ema", "dp_zero3-swa"])
+def test_checkpoint_of_a_split_average_resumes_the_uninterrupted_run(tmp_path, layout, averaging):
+    """The checkpoint holds each rank's part of the average and of the module's weights
+    (``checkpoint/module_states.py``): resumed from it, both continue as in one uninterrupted run. A lost
+    or misplaced part resumes the module or the average from the other (or from nothing), which moves
+    it by about lr x steps."""
     dp, tp, _, stage = LAYOUTS[layout]
-    reference = fit(tmp_path, "ref", ema, replicas=dp, max_epochs=2, **EPOCHS)[0]
+    first, epochs = RESUMED[averaging]
+    reference = fit(tmp_path, "ref", averaging, replicas=dp, max_epochs=epochs, **EPOCHS)[0]
 
     def split_fit(name: str, **trainer_args) -> list[dict]:
         strategy = ParallelStrategy(data_parallel=dp, tensor_parallel=tp, zero_stage=stage, start_method="fork")
-        return fit(tmp_path, name, ema, strategy, devices=dp * tp, **EPOCHS, **trainer_args)
+        return fit(tmp_path, name, averaging, strategy, devices=dp * tp, **EPOCHS, **trainer_args)
 
-    split_fit("first", max_epochs=1, enable_checkpointing=True, default_root_dir=str(tmp_path / "first"))
-    checkpoint = tmp_path / "first" / "checkpoints" / "epoch=0-step=2.ckpt"
-    records = split_fit("resumed", max_epochs=2, ckpt_path=str(checkpoint))
+    split_fit("first", max_epochs=first, enable_checkpointing=True, default_root_dir=str(tmp_path / "first"))
+    (checkpoint,) = (tmp_path / "first" / "checkpoints").iterdir()
+    records = split_fit("resumed", max_epochs=epochs, ckpt_path=str(checkpoint))
     assert_same_average(one_replica(records, dp, tp, 1), reference)
     final = one_replica(records, dp, tp, 1, key="final")
     for name, expected in reference["final"].items():
