@@ -63,7 +63,7 @@ class SplitCheckpoints:
             return None
         trainer = attached_trainer(self.lightning_module)
         unsaved = unsaved_average(trainer.callbacks, self.options) if trainer is not None else None
-        if unsaved is not None:  # trainer.save_checkpoint(...) without a checkpoint callback (those are refused at setup)
+        if unsaved is not None:  # trainer.save_checkpoint(...) under PP, without a checkpoint callback (refused at setup)
             raise LaunchError(averaged_checkpoint_refusal(unsaved, self.options) +
                               " Save the model once training has ended, without the callback in the Trainer.")
         if storage_options is not None:

@@ -4,7 +4,9 @@
 DP at ZeRO-1 and ZeRO-3, TP and TP x PP, each rank averaging the part it holds
 (``strategy/averaging.py``), against one process reading the same global batches (what Lightning's
 ``ddp`` computes; under ZeRO-3 also against ``ddp`` itself). The averaged weights are read after the
-callback's ``on_train_end`` has copied them into the module.
+callback's ``on_train_end`` has copied them into the module. Resumed from a split model's checkpoint,
+which holds each rank's part of the average and of the module's weights, both end as in one
+uninterrupted run.
 
 Tolerance. The averaged weights are convex combinations of the weights after each step (EMA with
 decay 0.5; SWA's running mean), which agree with one device within the float32 parity bound for
