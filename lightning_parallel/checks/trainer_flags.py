@@ -4,16 +4,15 @@ A split model (TP shards, pipeline stages, placed experts, or ZeRO-2/3 rows) is 
 process group exists, with Trainer features that assume every rank holds the whole model or runs
 Lightning's backward: stochastic weight averaging under pipeline parallelism (it switches Lightning's
 backward on again at each epoch end; elsewhere each rank averages its own part: ``strategy/averaging.py``),
-weight averaging with checkpoints under pipeline parallelism (not verified yet),
 ``sync_batchnorm`` under ZeRO-2/3 (layers replaced after the parameters were sharded), and a
 ``CheckpointIO`` plugin (a split model writes a directory of shards itself).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
-from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.callbacks import StochasticWeightAveraging
 
 from lightning_parallel.checkpoint.background import writes_default_files
 from lightning_parallel.errors import LaunchError
@@ -29,26 +28,6 @@ def split_layout(options: ParallelOptions) -> str:
     return ", ".join(parts)
 
 
-def averaging_callbacks(callbacks: list) -> list:
-    """The weight-averaging callbacks among ``callbacks`` (``WeightAveraging``, ``EMAWeightAveraging``, SWA)."""
-    return [c for c in callbacks if isinstance(c, (WeightAveraging, StochasticWeightAveraging))]
-
-
-def unsaved_average(callbacks: list, options: ParallelOptions) -> Optional[Any]:
-    """The first of ``callbacks`` whose average a checkpoint of the model split by ``options`` would not
-    hold. The averages of ``WeightAveraging`` and ``StochasticWeightAveraging`` and the module's weights
-    beside them are written split like the model (``checkpoint/module_states.py``); under pipeline
-    parallelism that is not verified yet."""
-    averaging = averaging_callbacks(callbacks)
-    return averaging[0] if averaging and options.pp > 1 else None
-
-
-def averaged_checkpoint_refusal(callback: Any, options: ParallelOptions) -> str:
-    """Why a checkpoint of the model split by ``options`` cannot hold ``callback``'s average."""
-    return (f"Trainer(callbacks=[{type(callback).__name__}(...)]) with checkpoints is not supported with "
-            f"{split_layout(options)}: a checkpoint of the average of each pipeline stage is not supported yet.")
-
-
 def refuse_split_model_flags(trainer: Any, options: ParallelOptions, layer_sync: Any, checkpoint_io: Any) -> None:
     """Raise ``LaunchError`` for a Trainer feature ``trainer`` uses that a split model would not honour."""
     split = split_layout(options)
@@ -59,11 +38,6 @@ def refuse_split_model_flags(trainer: Any, options: ParallelOptions, layer_sync:
             "training_step. Average weights with EMAWeightAveraging or WeightAveraging(avg_fn=...) "
             "(lightning.pytorch.callbacks), which work with pipeline_parallel, or train with pipeline_parallel=1."
         )
-    unsaved = unsaved_average(trainer.callbacks, options)
-    if unsaved is not None and trainer.checkpoint_callbacks:
-        raise LaunchError(averaged_checkpoint_refusal(unsaved, options) + " Pass Trainer(enable_checkpointing=False) "
-                          "(the average is still computed, and copied into the model when training ends), or train "
-                          "with pipeline_parallel=1, whose checkpoints hold the average.")
     if options.shards_parameters and layer_sync is not None:
         raise LaunchError(
             f"Trainer(sync_batchnorm=True) is not supported with {split}: it replaces the BatchNorm layers "

@@ -139,25 +139,26 @@ RESUMED = {ema: (1, 2), swa: (2, 3)}
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("layout, averaging", [("dp_zero3", ema), ("tp", ema), ("dp_zero3", swa)],
-                         ids=["dp_zero3-ema", "tp-ema", "dp_zero3-swa"])
+@pytest.mark.parametrize("layout, averaging", [("dp_zero3", ema), ("tp", ema), ("dp_zero3", swa), ("tp_pp", ema)],
+                         ids=["dp_zero3-ema", "tp-ema", "dp_zero3-swa", "tp_pp-ema"])
 def test_checkpoint_of_a_split_average_resumes_the_uninterrupted_run(tmp_path, layout, averaging):
     """The checkpoint holds each rank's part of the average and of the module's weights
-    (``checkpoint/module_states.py``): resumed from it, both continue as in one uninterrupted run. A lost
-    or misplaced part resumes the module or the average from the other (or from nothing), which moves
-    it by about lr x steps."""
-    dp, tp, _, stage = LAYOUTS[layout]
+    (``checkpoint/module_states.py``): resumed from it, both continue as in one uninterrupted run. A part
+    written once, as metadata, does not load on the other ranks; one lost resumes the module from the
+    average (or SWA's average from nothing), which moves it by about lr x steps."""
+    dp, tp, pp, stage = LAYOUTS[layout]
     first, epochs = RESUMED[averaging]
     reference = fit(tmp_path, "ref", averaging, replicas=dp, max_epochs=epochs, **EPOCHS)[0]
 
     def split_fit(name: str, **trainer_args) -> list[dict]:
-        strategy = ParallelStrategy(data_parallel=dp, tensor_parallel=tp, zero_stage=stage, start_method="fork")
-        return fit(tmp_path, name, averaging, strategy, devices=dp * tp, **EPOCHS, **trainer_args)
+        strategy = ParallelStrategy(data_parallel=dp, tensor_parallel=tp, pipeline_parallel=pp, zero_stage=stage,
+                                    micro_batches=2 if pp > 1 else None, start_method="fork")
+        return fit(tmp_path, name, averaging, strategy, devices=dp * tp * pp, **EPOCHS, **trainer_args)
 
     split_fit("first", max_epochs=first, enable_checkpointing=True, default_root_dir=str(tmp_path / "first"))
     (checkpoint,) = (tmp_path / "first" / "checkpoints").iterdir()
     records = split_fit("resumed", max_epochs=epochs, ckpt_path=str(checkpoint))
-    assert_same_average(one_replica(records, dp, tp, 1), reference)
-    final = one_replica(records, dp, tp, 1, key="final")
+    assert_same_average(one_replica(records, dp, tp, pp), reference)
+    final = one_replica(records, dp, tp, pp, key="final")
     for name, expected in reference["final"].items():
         assert_param_close(final[name], expected, atol=PARAM_TOL, name=name)
