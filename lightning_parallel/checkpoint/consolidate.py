@@ -34,6 +34,7 @@ from lightning_parallel.checkpoint.io import (
     is_sharded_checkpoint,
     read_checkpoint,
 )
+from lightning_parallel.checkpoint.module_states import replaced
 
 
 def consolidate(path: Path, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -81,6 +82,9 @@ def _consolidate_dcp(path: Path, weights_only: Optional[bool]) -> dict[str, Any]
     values = {**{fqn: local for fqn, (local, _, _) in targets.items()}, **objects_read}
     checkpoint = {k: v for k, v in meta.items() if k != "lightning_parallel"}
     checkpoint["state_dict"] = {n: values[n] for n in dcp.tensor_shapes(metadata)}
+    for k, place in enumerate(meta["lightning_parallel"].get("module_states", [])):  # weight averaging's
+        prefix = dcp.module_state_prefix(k)
+        checkpoint = replaced(checkpoint, place, {n: values[prefix + n] for n in dcp.tensor_shapes(metadata, prefix)})
     saved_optimizers = meta["lightning_parallel"]["optimizers"]
     if not saved_optimizers:
         return checkpoint

@@ -10,6 +10,9 @@ format, readable by its own tools such as ``format_utils.dcp_to_torch_save``):
   ZeRO-1 each data-parallel rank writes, and reads back, only its own slice of those states
   (``chunks.slice_chunks``), so no rank gathers another's; under ZeRO-2/3 likewise its rows of the
   parameters themselves and of their states (DTensors: ``data_parallel.fully_sharded.local_slice``);
+- the module-shaped state dicts a checkpoint holds besides ``state_dict`` (with Lightning's weight
+  averaging: the module's weights beside their average, SWA's average; ``module_states.py``) as
+  ``module_state.<k>.<name>``, split like the model, ``k`` their position in the list ``meta.pt`` keeps;
 - ``lightning_parallel.pp<p>-tp<t>``: what pipeline rank p and TP rank t list of their parameters
   (their place in the unsplit model's order, optimizer groups), used by ``lp-consolidate``.
 
@@ -51,6 +54,8 @@ from lightning_parallel.data_parallel.fully_sharded import local_slice
 
 METADATA = ".metadata"
 OPTIMIZER_PREFIX, PIECE_PREFIX = "optimizer.", "lightning_parallel."
+MODULE_STATE_PREFIX = "module_state."
+_PREFIXES = (OPTIMIZER_PREFIX, PIECE_PREFIX, MODULE_STATE_PREFIX)
 
 
 def is_dcp_checkpoint(path: Path) -> bool:
@@ -59,6 +64,11 @@ def is_dcp_checkpoint(path: Path) -> bool:
 
 def optimizer_key(index: int, name: str, key: str) -> str:
     return f"{OPTIMIZER_PREFIX}{index}.state.{name}.{key}"
+
+
+def module_state_prefix(index: int) -> str:
+    """The prefix of the tensors of the ``index``-th module-shaped state dict besides ``state_dict``."""
+    return f"{MODULE_STATE_PREFIX}{index}."
 
 
 def piece_key(pp_rank: int, tp_rank: int) -> str:
@@ -134,10 +144,14 @@ def read_metadata(folder: Path) -> Metadata:
     return FileSystemReader(folder).read_metadata()
 
 
-def tensor_shapes(metadata: Metadata) -> dict[str, tuple[int, ...]]:
-    """Global shape of every model tensor in the checkpoint."""
-    return {fqn: tuple(md.size) for fqn, md in metadata.state_dict_metadata.items()
-            if isinstance(md, TensorStorageMetadata) and not fqn.startswith((OPTIMIZER_PREFIX, PIECE_PREFIX))}
+def tensor_shapes(metadata: Metadata, prefix: str = "") -> dict[str, tuple[int, ...]]:
+    """Global shape of every model tensor in the checkpoint, by name; with ``prefix``
+    (``module_state_prefix``), of every tensor of the state dict saved under it."""
+    def under(fqn: str) -> bool:
+        return fqn.startswith(prefix) if prefix else not fqn.startswith(_PREFIXES)
+
+    return {fqn[len(prefix):]: tuple(md.size) for fqn, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata) and under(fqn)}
 
 
 def incomplete_tensors(metadata: Metadata, names: list[str]) -> list[str]:

@@ -2,7 +2,8 @@
 
 A checkpoint path becomes a directory: ``meta.pt`` holds what Lightning saves besides weights
 (epoch, global step, loops, callbacks, LR schedulers, hyper-parameters, the optimizers' parameter
-groups) and the layout it was written on; the tensors and optimizer states are in PyTorch
+groups) and the layout it was written on; the tensors, optimizer states and, with weight averaging,
+the module's weights beside their average and SWA's average (``module_states.py``) are in PyTorch
 Distributed Checkpoint format under their global names (``dcp.py``): every rank writes its own
 file in parallel, and on loading reads only the chunks its current layout needs, so a run may
 resume on a different number of processes or a different split. Two older inputs still load: a
@@ -25,7 +26,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from lightning_parallel.checkpoint import dcp
+from lightning_parallel.checkpoint import dcp, module_states
 from lightning_parallel.checkpoint.atomic import (
     MARKER,
     folder_to_read,
@@ -147,6 +148,10 @@ def save_sharded(strategy: Any, checkpoint: dict[str, Any], filepath: Any,
     names = parameter_names(module, strategy.pipeline, mesh)
     rest = dict(checkpoint)
     tensors = rest.pop("state_dict")
+    places = module_states.places(rest)  # with weight averaging: the module's weights, SWA's average
+    extra = [module_states.at(rest, place) for place in places]
+    for place in places:
+        rest = module_states.replaced(rest, place, None)
     optimizer_states = rest.pop("optimizer_states", None)
     named = [] if optimizer_states is None else [
         name_optimizer_state(state, _group_names(opt, names))
@@ -154,6 +159,10 @@ def save_sharded(strategy: Any, checkpoint: dict[str, Any], filepath: Any,
     ]
     layouts = _layouts(module, tensors, mesh.tp_size)
     param_layouts = _parameter_layouts(module, names, layouts)
+    for k, state in enumerate(extra):  # split like the model, under their own keys
+        prefix = dcp.module_state_prefix(k)
+        layouts = {**layouts, **{prefix + n: v for n, v in _layouts(module, state, mesh.tp_size).items()}}
+        tensors = {**tensors, **{prefix + n: t for n, t in state.items()}}
     slices = _zero_slices(strategy, names)
     if slices:  # ZeRO-1: each rank holds its own slices (``ZeroOneSharding.local_state_dict``)
         for name in _slices_written_elsewhere(strategy, names, param_layouts):
@@ -178,6 +187,7 @@ def save_sharded(strategy: Any, checkpoint: dict[str, Any], filepath: Any,
             "layout": {"tensor_parallel": mesh.tp_size, "pipeline_parallel": mesh.pp_size,
                        "data_parallel": mesh.dp_size},
             "pieces": [META_FILE, *pieces],
+            "module_states": places,
             "optimizers": optimizers,
         }
         write_file(rest, folder / META_FILE)
@@ -303,7 +313,9 @@ def _name_plain_optimizers(piece: Piece, local_names: list[list[list[str]]]) -> 
 # ---- load ------------------------------------------------------------------------------------
 def load_sharded(strategy: Any, filepath: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
     """Lightning's checkpoint dict for this rank: ``state_dict`` and ``optimizer_states`` resharded
-    onto the current layout, ready for the default ``load_model_state_dict``/``load_optimizer_state_dict``.
+    onto the current layout, ready for the default ``load_model_state_dict``/``load_optimizer_state_dict``;
+    so are the module-shaped state dicts of weight averaging (``module_states.py``), which its callbacks
+    load themselves.
 
     Every name and shape is checked on every rank first; if any rank finds a problem, all ranks
     raise ``CheckpointMismatchError`` listing each parameter, and nothing is loaded.
@@ -323,6 +335,10 @@ def load_sharded(strategy: Any, filepath: Any, weights_only: Optional[bool] = No
         saved_optimizers = meta["lightning_parallel"]["optimizers"]
         problems = shape_mismatches(expected, saved, module.strict_loading)
         problems += dcp.incomplete_tensors(metadata, [n for n in expected if n in saved])
+        places = meta["lightning_parallel"].get("module_states", [])
+        sections = [(dcp.module_state_prefix(k), [n for n in local if n in dcp.tensor_shapes(
+            metadata, dcp.module_state_prefix(k))]) for k in range(len(places))]
+        problems += dcp.incomplete_tensors(metadata, [prefix + n for prefix, names in sections for n in names])
     else:
         meta, pieces = read_checkpoint(path, weights_only)
         plain_with_optimizers = not is_sharded_checkpoint(path) and strategy.optimizers
@@ -341,13 +357,17 @@ def load_sharded(strategy: Any, filepath: Any, weights_only: Optional[bool] = No
     rows = {n: t for n, t in local.items() if isinstance(t, DTensor)}
     rows.update((names[id(p)], p) for p in module.parameters() if isinstance(p, DTensor))
     if dcp.is_dcp_checkpoint(path):
-        state_dict, optimizer_states = _read_dcp(path, metadata, strategy, [n for n in local if n in saved], layouts,
-                                                 param_layouts, local_names if with_optimizers else [],
-                                                 saved_optimizers, _zero_slices(strategy, names), rows)
+        (state_dict, *extra), optimizer_states = _read_dcp(
+            path, metadata, strategy, [("", [n for n in local if n in saved]), *sections], layouts, param_layouts,
+            local_names if with_optimizers else [], saved_optimizers, _zero_slices(strategy, names), rows)
+        for place, state in zip(places, extra):
+            meta = module_states.replaced(meta, place, state)
     else:
-        state_dict = {n: local_tensor(full_tensor(n, pieces), layouts[n][1], tp_rank, tp_size)
-                      for n in local if n in saved}
-        state_dict.update((n, sharded_like(t, rows[n])) for n, t in state_dict.items() if n in rows)
+        state_dict = _local_state(pieces, local, layouts, rows, tp_rank, tp_size)
+        for place in module_states.places(meta):  # a plain file's whole modules, by weight averaging
+            tensors = module_states.at(meta, place)
+            whole = Piece(0, 1, tensors, {n: (tuple(t.shape), None) for n, t in tensors.items()})
+            meta = module_states.replaced(meta, place, _local_state([whole], local, layouts, rows, tp_rank, tp_size))
         saved_layouts = {n: layout for p in pieces for n, layout in p.layouts.items()}
         optimizer_states = [
             _local_optimizer(i, pieces, group_names, param_layouts, saved_layouts, tp_rank, tp_size, rows)
@@ -357,6 +377,14 @@ def load_sharded(strategy: Any, filepath: Any, weights_only: Optional[bool] = No
     if with_optimizers:
         checkpoint["optimizer_states"] = optimizer_states
     return checkpoint
+
+
+def _local_state(pieces: list[Piece], local: dict[str, torch.Tensor], layouts: dict[str, Any],
+                 rows: dict[str, DTensor], tp_rank: int, tp_size: int) -> dict[str, torch.Tensor]:
+    """This rank's part of the state dict whose whole tensors ``pieces`` hold, cut like ``local``'s."""
+    saved = saved_shapes(pieces)
+    state = {n: local_tensor(full_tensor(n, pieces), layouts[n][1], tp_rank, tp_size) for n in local if n in saved}
+    return {n: sharded_like(t, rows[n]) if n in rows else t for n, t in state.items()}
 
 
 def _held_anywhere(saved: list[str], mine: set[str], device: torch.device) -> set[str]:
@@ -382,11 +410,13 @@ def _agree_on_problems(problems: list[str], path: Path, device: torch.device) ->
     raise CheckpointMismatchError(f"checkpoint {path} does not fit the model:\n  " + "\n  ".join(found))
 
 
-def _read_dcp(path: Path, metadata: Any, strategy: Any, tensor_names: list[str], layouts: dict[str, Any],
-              param_layouts: dict[str, Any], local_names: list[list[list[str]]],
+def _read_dcp(path: Path, metadata: Any, strategy: Any, sections: list[tuple[str, list[str]]],
+              layouts: dict[str, Any], param_layouts: dict[str, Any], local_names: list[list[list[str]]],
               saved_optimizers: list[dict[str, Any]], slices: dict[str, tuple[int, int]], rows: dict[str, DTensor]
-              ) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
-    """This rank's tensors and the torch state dict of each optimizer, read from the chunks it needs.
+              ) -> tuple[list[dict[str, torch.Tensor]], list[dict[str, Any]]]:
+    """This rank's part of each module-shaped state dict (``sections``: its DCP prefix, "" for
+    ``state_dict``, and the names to read) and the torch state dict of each optimizer, read from the
+    chunks it needs.
 
     Under ZeRO-1 a parameter in ``slices`` gets only this rank's slice of its parameter-shaped
     states, read by this rank alone; under ZeRO-2/3 a tensor or parameter in ``rows`` (by name: the
@@ -396,12 +426,14 @@ def _read_dcp(path: Path, metadata: Any, strategy: Any, tensor_names: list[str],
     tp_rank, tp_size = mesh.tp_rank, mesh.tp_size
     own: dcp.ChunkedTensors = {}  # ZeRO slices
     targets = {}
-    for n in tensor_names:
-        if n in rows:
-            own[n] = dcp.slice_target(metadata, n, layouts[n], tp_rank, tp_size, *local_slice(rows[n]))
-        else:
-            targets[n] = dcp.local_target(metadata, n, layouts[n], tp_rank, tp_size)
-    state_dict = {n: (own if n in rows else targets)[n][0] for n in tensor_names}
+    for prefix, names in sections:
+        for n in names:
+            if n in rows:
+                own[prefix + n] = dcp.slice_target(metadata, prefix + n, layouts[n], tp_rank, tp_size,
+                                                   *local_slice(rows[n]))
+            else:
+                targets[prefix + n] = dcp.local_target(metadata, prefix + n, layouts[n], tp_rank, tp_size)
+    state_dicts = [{n: (own if n in rows else targets)[prefix + n][0] for n in names} for prefix, names in sections]
     entries = dcp.optimizer_entries(metadata)
     states: list[dict[str, dict[str, Any]]] = []
     objects: list[tuple[dict[str, Any], str, str]] = []  # (state, key, DCP key) of non-tensor values
@@ -429,12 +461,13 @@ def _read_dcp(path: Path, metadata: Any, strategy: Any, tensor_names: list[str],
     dcp.read_chunks(path, metadata, own, [])
     for entry, key, fqn in objects:
         entry[key] = values[fqn]
-    state_dict.update((n, rows_of(t, rows[n])) for n, t in state_dict.items() if n in rows)
+    for tensors in state_dicts:
+        tensors.update((n, rows_of(t, rows[n])) for n, t in tensors.items() if n in rows)
     for entry, key, like in sharded:
         entry[key] = rows_of(entry[key], like)
     optimizer_states = [index_optimizer_state(saved_optimizers[i], state, local_names[i])
                         for i, state in enumerate(states)]
-    return state_dict, optimizer_states
+    return state_dicts, optimizer_states
 
 
 def _optimizer_mismatches(saved: list[dict[str, Any]], local_names: list[list[list[str]]]) -> list[str]:

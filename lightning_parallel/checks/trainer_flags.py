@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.callbacks import StochasticWeightAveraging
 
 from lightning_parallel.checkpoint.background import writes_default_files
 from lightning_parallel.errors import LaunchError
@@ -28,18 +28,6 @@ def split_layout(options: ParallelOptions) -> str:
     return ", ".join(parts)
 
 
-def averaging_callbacks(trainer: Any) -> list:
-    """The weight-averaging callbacks of ``trainer`` (``WeightAveraging``, ``EMAWeightAveraging``, SWA)."""
-    return [c for c in trainer.callbacks if isinstance(c, (WeightAveraging, StochasticWeightAveraging))]
-
-
-def averaged_checkpoint_refusal(callback: Any, split: str) -> str:
-    """Why a split model's checkpoint cannot hold ``callback``'s average (each rank's part of it)."""
-    return (f"Trainer(callbacks=[{type(callback).__name__}(...)]) with checkpoints is not supported with {split}: "
-            "each rank averages the part of the model it holds, and a split model's checkpoint does not yet "
-            "write those parts.")
-
-
 def refuse_split_model_flags(trainer: Any, options: ParallelOptions, layer_sync: Any, checkpoint_io: Any) -> None:
     """Raise ``LaunchError`` for a Trainer feature ``trainer`` uses that a split model would not honour."""
     split = split_layout(options)
@@ -50,11 +38,6 @@ def refuse_split_model_flags(trainer: Any, options: ParallelOptions, layer_sync:
             "training_step. Average weights with EMAWeightAveraging or WeightAveraging(avg_fn=...) "
             "(lightning.pytorch.callbacks), which work with pipeline_parallel, or train with pipeline_parallel=1."
         )
-    averaging = averaging_callbacks(trainer)
-    if averaging and trainer.checkpoint_callbacks:
-        raise LaunchError(averaged_checkpoint_refusal(averaging[0], split) + " Pass Trainer(enable_checkpointing=False) "
-                          "(the average is still computed, and copied into the model when training ends), or train "
-                          "with DataParallelStrategy (zero_stage 0 or 1), whose checkpoints hold the average.")
     if options.shards_parameters and layer_sync is not None:
         raise LaunchError(
             f"Trainer(sync_batchnorm=True) is not supported with {split}: it replaces the BatchNorm layers "

@@ -25,13 +25,7 @@ from lightning_parallel.checkpoint.atomic import remove_checkpoint_dir, save_fil
 from lightning_parallel.checkpoint.background import BackgroundSaves, writes_default_files
 from lightning_parallel.checkpoint.hf_models import RECORD_KEY as HF_RECORD_KEY
 from lightning_parallel.checkpoint.hf_models import describe as describe_hf_models
-from lightning_parallel.checks.trainer_flags import (
-    averaged_checkpoint_refusal,
-    averaging_callbacks,
-    split_layout,
-)
-from lightning_parallel.compat import _optimizers_to_device, attached_trainer
-from lightning_parallel.errors import LaunchError
+from lightning_parallel.compat import _optimizers_to_device
 
 
 class SplitCheckpoints:
@@ -65,11 +59,6 @@ class SplitCheckpoints:
             elif self.is_global_zero:  # Lightning's writer may copy over the old file: see atomic.save_file
                 save_file(checkpoint, Path(filepath))
             return None
-        trainer = attached_trainer(self.lightning_module)
-        averaging = averaging_callbacks(trainer) if trainer is not None else []
-        if averaging:  # trainer.save_checkpoint(...) without a checkpoint callback (those are refused at setup)
-            raise LaunchError(averaged_checkpoint_refusal(averaging[0], split_layout(self.options)) +
-                              " Save the model once training has ended, without the callback in the Trainer.")
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=...) is not supported with a "
                             "split model: it writes a directory of shards itself, without the CheckpointIO plugin")

@@ -42,14 +42,14 @@ def test_stochastic_weight_averaging_is_refused_only_under_pipeline_parallelism(
                                  TorchCheckpointIO())
 
 
-def test_weight_averaging_with_checkpoints_is_refused_on_a_split_model():
-    ema, checkpoint = EMAWeightAveraging(), ModelCheckpoint()
-    saving = SimpleNamespace(callbacks=[ema, checkpoint], checkpoint_callbacks=[checkpoint])
-    for options in (ParallelOptions(tensor_parallel=2), ParallelOptions(zero_stage=3)):
-        refuse_split_model_flags(SimpleNamespace(callbacks=[ema], checkpoint_callbacks=[]), options, None,
-                                 TorchCheckpointIO())
-        with pytest.raises(LaunchError, match=r"EMAWeightAveraging.*with checkpoints.*enable_checkpointing=False"):
-            refuse_split_model_flags(saving, options, None, TorchCheckpointIO())
+def test_weight_averaging_with_checkpoints_is_not_refused_on_a_split_model():
+    # each rank's part of the average and of the module is written split like the model (checkpoint/io.py)
+    ema, swa, checkpoint = EMAWeightAveraging(), StochasticWeightAveraging(swa_lrs=1e-2), ModelCheckpoint()
+    for options, averaging in [(ParallelOptions(tensor_parallel=2), ema), (ParallelOptions(zero_stage=3), ema),
+                               (ParallelOptions(pipeline_parallel=2), ema), (ParallelOptions(tensor_parallel=2), swa),
+                               (ParallelOptions(zero_stage=3), swa)]:
+        refuse_split_model_flags(SimpleNamespace(callbacks=[averaging, checkpoint], checkpoint_callbacks=[checkpoint]),
+                                 options, None, TorchCheckpointIO())
 
 
 def test_sync_batchnorm_is_refused_only_where_parameters_are_sharded():

@@ -4,7 +4,9 @@
 DP at ZeRO-1 and ZeRO-3, TP and TP x PP, each rank averaging the part it holds
 (``strategy/averaging.py``), against one process reading the same global batches (what Lightning's
 ``ddp`` computes; under ZeRO-3 also against ``ddp`` itself). The averaged weights are read after the
-callback's ``on_train_end`` has copied them into the module.
+callback's ``on_train_end`` has copied them into the module. Resumed from a split model's checkpoint,
+which holds each rank's part of the average and of the module's weights, both end as in one
+uninterrupted run.
 
 Tolerance. The averaged weights are convex combinations of the weights after each step (EMA with
 decay 0.5; SWA's running mean), which agree with one device within the float32 parity bound for
@@ -69,9 +71,11 @@ def swa() -> Callback:
 RUNS = {ema: dict(max_steps=4), swa: dict(max_steps=-1, max_epochs=3, limit_train_batches=2)}
 
 
-def fit(tmp_path, name: str, averaging, strategy=None, devices: int = 1, replicas: int = 1) -> list[dict]:
+def fit(tmp_path, name: str, averaging, strategy=None, devices: int = 1, replicas: int = 1,
+        **trainer_args) -> list[dict]:
     """Fit the tiny GPT with ``averaging()`` on ``devices`` processes (one process reading the global
-    batches of ``replicas`` replicas when ``strategy`` is None); the averaged parameters of each rank."""
+    batches of ``replicas`` replicas when ``strategy`` is None); the averaged parameters of each rank
+    (``params``) and the module's own (``final``). ``trainer_args`` replace the callback's ``RUNS``."""
     out = str(tmp_path / name)
     L.seed_everything(0, verbose=False)
     model = tiny_gpt()
@@ -79,16 +83,18 @@ def fit(tmp_path, name: str, averaging, strategy=None, devices: int = 1, replica
     records = fit_and_record(model, token_data(), batch_size=PER_RANK_BATCH * (replicas if one_device else 1),
                              out_dir=out, devices=devices, strategy=strategy or "auto",
                              emulate_replicas=replicas if one_device else 0,
-                             callbacks=[averaging(), AveragedRecord(out)], **RUNS[averaging])
+                             callbacks=[averaging(), AveragedRecord(out)], **{**RUNS[averaging], **trainer_args})
     averaged = [torch.load(os.path.join(out, f"averaged{r}.pt"), weights_only=False) for r in range(devices)]
     for record, average in zip(records, averaged):
         record["final"], record["params"], record["shards"] = record["params"], average["params"], average["shards"]
     return records
 
 
-def one_replica(records: list[dict], dp: int, tp: int, pp: int) -> dict[str, torch.Tensor]:
-    """The whole averaged model from data-parallel replica 0's ranks (stage by stage, shard by shard)."""
-    replica = [records[(p * dp) * tp + t] for p in range(pp) for t in range(tp)]
+def one_replica(records: list[dict], dp: int, tp: int, pp: int, key: str = "params") -> dict[str, torch.Tensor]:
+    """The whole averaged model (``key="final"``: the module's own weights) from data-parallel replica 0's
+    ranks (stage by stage, shard by shard)."""
+    replica = [{**records[(p * dp) * tp + t], "params": records[(p * dp) * tp + t][key]}
+               for p in range(pp) for t in range(tp)]
     if tp > 1:
         return gather_records(replica)
     return {name: value for record in replica for name, value in record["params"].items()}
@@ -123,3 +129,36 @@ def test_ema_under_zero3_equals_lightning_ddp_average(tmp_path):
                 devices=2)
     for record in zero3:
         assert_same_average(record["params"], ddp[0])
+
+
+#: epochs of two steps; the default ModelCheckpoint saves at the end of each
+EPOCHS = dict(max_steps=-1, limit_train_batches=2)
+#: per callback, the epochs before the checkpoint and in all: EMA updates after every step, SWA averages
+#: at the end of the second epoch and the third
+RESUMED = {ema: (1, 2), swa: (2, 3)}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("layout, averaging", [("dp_zero3", ema), ("tp", ema), ("dp_zero3", swa), ("tp_pp", ema)],
+                         ids=["dp_zero3-ema", "tp-ema", "dp_zero3-swa", "tp_pp-ema"])
+def test_checkpoint_of_a_split_average_resumes_the_uninterrupted_run(tmp_path, layout, averaging):
+    """The checkpoint holds each rank's part of the average and of the module's weights
+    (``checkpoint/module_states.py``): resumed from it, both continue as in one uninterrupted run. A part
+    written once, as metadata, does not load on the other ranks; one lost resumes the module from the
+    average (or SWA's average from nothing), which moves it by about lr x steps."""
+    dp, tp, pp, stage = LAYOUTS[layout]
+    first, epochs = RESUMED[averaging]
+    reference = fit(tmp_path, "ref", averaging, replicas=dp, max_epochs=epochs, **EPOCHS)[0]
+
+    def split_fit(name: str, **trainer_args) -> list[dict]:
+        strategy = ParallelStrategy(data_parallel=dp, tensor_parallel=tp, pipeline_parallel=pp, zero_stage=stage,
+                                    micro_batches=2 if pp > 1 else None, start_method="fork")
+        return fit(tmp_path, name, averaging, strategy, devices=dp * tp * pp, **EPOCHS, **trainer_args)
+
+    split_fit("first", max_epochs=first, enable_checkpointing=True, default_root_dir=str(tmp_path / "first"))
+    (checkpoint,) = (tmp_path / "first" / "checkpoints").iterdir()
+    records = split_fit("resumed", max_epochs=epochs, ckpt_path=str(checkpoint))
+    assert_same_average(one_replica(records, dp, tp, pp), reference)
+    final = one_replica(records, dp, tp, pp, key="final")
+    for name, expected in reference["final"].items():
+        assert_param_close(final[name], expected, atol=PARAM_TOL, name=name)
