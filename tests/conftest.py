@@ -1,3 +1,29 @@
 import os
 
+import pytest
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# The second tier: the longest runs, each tens of seconds on 2 cores: commands and scripts in fresh
+# processes (lp-train, lp-plan, refusals as a user sees them), SLURM jobs, the 8-process layout, ranks and
+# replica groups killed mid-run, the zoo sample. `python -m pytest -q` leaves them out; `python -m pytest
+# -q -m slow` runs them, and CI runs both tiers. A file path marks every test in it.
+SECOND_TIER = frozenset({
+    "tests/cluster/test_slurm.py",
+    "tests/cli/test_cli.py",
+    "tests/cli/test_own_module.py",
+    "tests/cli/test_finetune.py",
+    "tests/checks/test_errors.py",
+    "tests/checkpoint/test_checkpoint_atomic.py",
+    "tests/models/test_zoo_sample.py",
+    "tests/strategy/test_3d.py",
+    "tests/strategy/test_lost_rank.py",
+    "tests/fault_tolerance/test_replica_groups.py",
+    "tests/strategy/test_meta_init.py::test_per_rank_peak_memory_falls_with_tp_times_pp",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid in SECOND_TIER or item.nodeid.split("[")[0] in SECOND_TIER or item.location[0] in SECOND_TIER:
+            item.add_marker(pytest.mark.slow)

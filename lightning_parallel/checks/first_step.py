@@ -37,7 +37,6 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_parallel.errors import LaunchError, LightningParallelError
@@ -151,5 +150,4 @@ class FirstStepCheck:
                 stack.enter_context(torch.enable_grad())
                 self.verification, found = self.checker.compare_captured(self.module, held, captured, self.device)
             refuse_differences(found, self.tp)
-            rank_zero_info(f"verified     {self.verification.describe()}")
         return result[0]

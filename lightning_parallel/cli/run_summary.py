@@ -49,11 +49,14 @@ def layout_lines(plan: Any) -> list[str]:
 
 
 class RunSummary(Callback):
-    """Logs the run's outputs and layout when fitting starts, and its final metrics when it ends."""
+    """Logs the run's outputs and layout when fitting starts, what the split check compared once it ran
+    (at setup under pipeline parallelism, else in the first step: ``checks/first_step.py``), and the final
+    metrics when fitting ends."""
 
     def __init__(self, plan: Any = None) -> None:
         self.plan = plan
         self._start = time.monotonic()
+        self._verified = False
 
     def _checkpoint(self, trainer) -> Optional[ModelCheckpoint]:
         return next((c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)), None)
@@ -82,10 +85,17 @@ class RunSummary(Callback):
         share = getattr(trainer.strategy, "parameter_share", None)  # measured once split (checks/share.py)
         if share is not None:
             lines.append(f"holds        {share.describe()}")
-        verified = getattr(trainer.strategy, "split_verification", None)
-        if verified is not None:
-            lines.append(f"verified     {verified.describe()}")
         log.info("\n".join(lines))
+        self._report_verification(trainer)
+
+    def _report_verification(self, trainer) -> None:
+        verified = getattr(trainer.strategy, "split_verification", None)
+        if verified is not None and not self._verified and trainer.is_global_zero:
+            self._verified = True
+            log.info(f"verified     {verified.describe()}")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._report_verification(trainer)
 
     def on_fit_end(self, trainer, pl_module) -> None:
         if not trainer.is_global_zero:
