@@ -15,14 +15,13 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_parallel.checks.first_step import failure
-from lightning_parallel.errors import LaunchError
 from lightning_parallel.models.gpt import GPT
 from lightning_parallel.strategy import ParallelStrategy
+from tests.helpers.refusals import RecordingStrategy, Stepped, refusals
 from tests.tensor_parallel.test_tp_training import SEQ, STEPS, VOCAB, LlamaModule, fit
 
 
@@ -62,31 +61,6 @@ class Regression(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-class Stepped(Callback):
-    """Leaves ``<out>/stepped<r>`` if an optimizer stepped."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        (self.out / f"stepped{trainer.global_rank}").touch()
-
-
-class RecordingStrategy(ParallelStrategy):
-    """Writes the LaunchError its training step raises to ``<out>/rank<r>.txt``, then raises it on."""
-
-    def __init__(self, out: Path, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.out = out
-
-    def training_step(self, *args, **kwargs):
-        try:
-            return super().training_step(*args, **kwargs)
-        except LaunchError as err:
-            (self.out / f"rank{self.global_rank}.txt").write_text(str(err))
-            raise
-
-
 def refused_messages(module: Regression, out: Path, verify_split: bool = False) -> dict[int, str]:
     """Fit ``module`` with TP=2 and return what each rank raised (by rank, where it raised); no optimizer may
     have stepped. The float64 comparison is off unless ``verify_split``."""
@@ -97,8 +71,8 @@ def refused_messages(module: Regression, out: Path, verify_split: bool = False) 
                         callbacks=[Stepped(out)])
     with pytest.raises(Exception):
         trainer.fit(module, DataLoader(TensorDataset(torch.randn(8, 4, 32)), batch_size=4))
-    assert not list(out.glob("stepped*")), "an optimizer stepped before the refusal"
-    return {r: (out / f"rank{r}.txt").read_text() for r in range(2) if (out / f"rank{r}.txt").exists()}
+    assert not list(out.glob("step*")), "an optimizer stepped before the refusal"
+    return refusals(out, 2)
 
 
 @pytest.mark.timeout(90)

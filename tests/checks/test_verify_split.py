@@ -23,11 +23,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_parallel.checks.float64 import KeepFloat64, grouped_mm
 from lightning_parallel.checks.split_compare import RTOL, compare
 from lightning_parallel.checks.split_units import choose_units
-from lightning_parallel.errors import LaunchError
 from lightning_parallel.models.gpt import GPT
 from lightning_parallel.strategy import ParallelStrategy
 from lightning_parallel.tensor_parallel.plan import parse_plan
 from lightning_parallel.tensor_parallel.resolve import resolve_plan
+from tests.helpers.refusals import RecordingStrategy
 
 VOCAB, SEQ, D, HEADS = 64, 8, 32, 4
 
@@ -145,30 +145,6 @@ class Outcome(Callback):
             f.write(f"{float(outputs['loss'])!r}\n")
 
 
-class RecordingStrategy(ParallelStrategy):
-    """Writes the error its setup (pipeline parallelism) or first training step (otherwise) raises to
-    ``<out>/rank<r>.txt``, then raises it on, once every rank has written its own (the launcher stops the
-    other ranks when the first one fails)."""
-
-    def __init__(self, out: Path, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.out = out
-
-    def _recorded(self, run):
-        try:
-            return run()
-        except LaunchError as err:
-            (self.out / f"rank{self.global_rank}.txt").write_text(str(err))
-            torch.distributed.barrier()
-            raise
-
-    def setup(self, trainer) -> None:
-        self._recorded(lambda: super(RecordingStrategy, self).setup(trainer))
-
-    def training_step(self, *args, **kwargs):
-        return self._recorded(lambda: super(RecordingStrategy, self).training_step(*args, **kwargs))
-
-
 def data() -> DataLoader:
     tokens = torch.randint(0, VOCAB, (8, SEQ + 1), generator=torch.Generator().manual_seed(1))
     return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
@@ -178,7 +154,7 @@ def run(out: Path, flaw: str | None = None, tp: int = 2, steps: int = 2, on_meta
         **options):
     """Fit ``TinyLM(flaw)`` with its plan at TP=``tp`` (1: one process) x PP=``pp``; the setup errors, if any."""
     L.seed_everything(0)
-    strategy = RecordingStrategy(out, tensor_parallel=tp, pipeline_parallel=pp, start_method="fork",
+    strategy = RecordingStrategy(out, wait=True, tensor_parallel=tp, pipeline_parallel=pp, start_method="fork",
                                  timeout=timedelta(seconds=30), tp_plan=plan(flaw), **options) if tp > 1 else "auto"
     trainer = L.Trainer(accelerator="cpu", devices=tp * pp, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -10,39 +10,16 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_parallel.checks.launch import check_layout
 from lightning_parallel.context_parallel.attention import is_causal_mask
-from lightning_parallel.errors import LaunchError, LightningParallelError
+from lightning_parallel.errors import LaunchError
 from lightning_parallel.options import ParallelOptions
 from lightning_parallel.strategy import ParallelStrategy
 from tests.context_parallel.test_cp_training import VOCAB, LlamaLM
-
-
-class MarkSteps(Callback):
-    def __init__(self, out: Path) -> None:
-        self.out = out
-
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        (self.out / f"step{trainer.global_rank}").touch()
-
-
-class RecordingStrategy(ParallelStrategy):
-    """Writes the refusal its first training step raises to ``<out>/rank<r>.txt``, then raises it on."""
-
-    def __init__(self, out: Path, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.out = out
-
-    def training_step(self, *args, **kwargs):
-        try:
-            return super().training_step(*args, **kwargs)
-        except LightningParallelError as err:
-            (self.out / f"rank{self.global_rank}.txt").write_text(f"{type(err).__name__}: {err}")
-            raise
+from tests.helpers.refusals import RecordingStrategy, Stepped
 
 
 def refused_messages(module: L.LightningModule, data: torch.Tensor, out: Path, cp: int = 2) -> list[str]:
@@ -51,7 +28,7 @@ def refused_messages(module: L.LightningModule, data: torch.Tensor, out: Path, c
     strategy = RecordingStrategy(out, context_parallel=cp, start_method="fork", timeout=timedelta(seconds=30))
     trainer = L.Trainer(accelerator="cpu", devices=cp, strategy=strategy, max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[MarkSteps(out)])
+                        callbacks=[Stepped(out)])
     with pytest.raises(Exception):
         trainer.fit(module, DataLoader(TensorDataset(data), batch_size=2))
     assert not list(out.glob("step*")), "an optimizer stepped before the refusal"
