@@ -1,3 +1,4 @@
+import multiprocessing
 import os
 
 import pytest
@@ -27,3 +28,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in SECOND_TIER or item.nodeid.split("[")[0] in SECOND_TIER or item.location[0] in SECOND_TIER:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """After a test fails (a timeout included), end the processes it started and left running: they hold
+    the rendezvous port every later test of this session uses (Lightning picks it once per process)."""
+    outcome = yield
+    if outcome.get_result().when == "call" and outcome.get_result().failed:
+        for child in multiprocessing.active_children():
+            child.kill()
