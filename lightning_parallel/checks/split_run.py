@@ -46,14 +46,13 @@ def _own_copy(value: Any) -> Any:
 
 def _keep(value: Any) -> Any:
     """A detached copy of a tensor (outside inference mode, so autograd may use it later); a floating
-    one remembers whether it required grad, or, recorded where gradients were off (an evaluation step),
-    is marked as needing one, as in training. Other objects as they are when the unit is called."""
+    one remembers whether it required grad. Other objects as they are when the unit is called."""
     if not isinstance(value, torch.Tensor):
         return _own_copy(value)
     with torch.inference_mode(False):
         kept = value.detach().clone()
     if value.is_floating_point():
-        kept.needs_grad = value.requires_grad or not torch.is_grad_enabled()  # the flag travels with the copy
+        kept.needs_grad = value.requires_grad  # the flag travels with the copy
     return kept
 
 

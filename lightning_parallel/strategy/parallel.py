@@ -500,6 +500,12 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         """Around a step or a backward: the sequence split over the CP ranks (``context_parallel/``)."""
         return self.context_parallel.active() if self.context_parallel is not None else nullcontext()
 
+    def _in_sequence_split(self, step: Any, *args: Any, **kwargs: Any) -> Any:
+        """The user's ``step`` with the sequence split active; the first step's split check runs outside
+        it (``checks/first_step.py``), on the inputs the units received."""
+        with self._sequence_split():
+            return step(*args, **kwargs)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._before_forward()
@@ -507,8 +513,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
             self.fully_sharded.gather_root()
         if self.pipeline is None:
             step = super().training_step
-            with self._sequence_split():
-                output = self._step("training_step", lambda: step(*args, **kwargs))
+            output = self._step("training_step", lambda: self._in_sequence_split(step, *args, **kwargs))
             if self.experts is not None:
                 log_tokens_per_expert(self.lightning_module, self.experts, self.mesh.dp_group)
             return output
@@ -532,8 +537,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         with self._gathered():
             if self.pipeline is None:
                 step = super().validation_step
-                with self._sequence_split():
-                    return self._step("validation_step", lambda: step(*args, **kwargs))
+                return self._step("validation_step", lambda: self._in_sequence_split(step, *args, **kwargs))
             with self.precision_plugin.val_step_context():
                 return self.pipeline.validation_step(*args, **kwargs)
 
@@ -543,8 +547,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         with self._gathered():
             if self.pipeline is None:
                 step = super().test_step
-                with self._sequence_split():
-                    return self._step("test_step", lambda: step(*args, **kwargs))
+                return self._step("test_step", lambda: self._in_sequence_split(step, *args, **kwargs))
             with self.precision_plugin.test_step_context():
                 return self.pipeline.test_step(*args, **kwargs)
 
@@ -554,8 +557,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         with self._gathered():
             if self.pipeline is None:
                 step = super().predict_step
-                with self._sequence_split():
-                    return self._step("predict_step", lambda: step(*args, **kwargs))
+                return self._step("predict_step", lambda: self._in_sequence_split(step, *args, **kwargs))
             with self.precision_plugin.predict_step_context():
                 return self.pipeline.predict_step(*args, **kwargs)
 
