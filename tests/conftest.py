@@ -6,8 +6,8 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # The second tier: the longest runs, each tens of seconds on 2 cores: commands and scripts in fresh
-# processes (lp-train, lp-plan, refusals as a user sees them), SLURM jobs, the 8-process layout, ranks and
-# replica groups killed mid-run, the zoo sample. `python -m pytest -q` leaves them out; `python -m pytest
+# processes (lp-train, lp-plan, refusals as a user sees them, spawn and popen launches), SLURM jobs, the
+# 8-process layout, ranks and replica groups killed mid-run, torch.compile, the zoo sample. `python -m pytest -q` leaves them out; `python -m pytest
 # -q -m slow` runs them, and CI runs both tiers. A file path marks every test in it.
 SECOND_TIER = frozenset({
     "tests/cluster/test_slurm.py",
@@ -21,6 +21,11 @@ SECOND_TIER = frozenset({
     "tests/strategy/test_lost_rank.py",
     "tests/fault_tolerance/test_replica_groups.py",
     "tests/strategy/test_meta_init.py::test_per_rank_peak_memory_falls_with_tp_times_pp",
+    "tests/strategy/test_workflows.py::test_fit_then_test_under_spawn_evaluates_the_trained_weights",
+    "tests/strategy/test_workflows.py::test_fit_then_every_entry_point_under_popen_reuses_the_split_model",
+    "tests/cli/test_train.py::test_lp_train_with_two_data_parallel_processes_shares_one_run_folder",
+    "tests/tensor_parallel/test_tp_wrappers.py::test_tp2_torch_compiled_hf_model_matches_single_process",
+    "tests/checkpoint/test_one_device_load.py::test_reader_is_extended_when_lightning_is_imported_after_the_package",
 })
 
 
