@@ -77,6 +77,8 @@ class StageRuntime:
     caller_matches: Optional[bool] = None
     training: bool = False
     device: torch.device = torch.device("cpu")  # where the stage computes (meta while probing a meta-device model)
+    # set during a step that generates: every block call goes to it (``relay.Relay``), whole forwards run
+    relay: Any = None
 
     def begin(self, blocks: range, exits: bool, received: Optional[torch.Tensor], convention: int,
               training: bool = False) -> None:
@@ -145,11 +147,14 @@ def _split_input(args: tuple, kwargs: dict) -> tuple[torch.Tensor, tuple, dict]:
 class BlockDispatch:
     """Decides what block ``index`` does: skip, take the received hidden state, run, or end the stage."""
 
-    def __init__(self, runtime: StageRuntime, index: int):
+    def __init__(self, runtime: StageRuntime, index: int, cache_index: Optional[int] = None):
         self.runtime, self.index = runtime, index
+        self.cache_index = index if cache_index is None else cache_index  # the block's layer in a KV cache
 
     def __call__(self, forward: Optional[Callable], *args, **kwargs):
         rt = self.runtime
+        if rt.relay is not None:
+            return rt.relay.block(self.index, forward, self.cache_index, args, kwargs)
         if not rt.active:
             if in_backward():  # inside backward: activation checkpointing recomputes
                 return rt.recompute(forward, args, kwargs)
@@ -215,12 +220,18 @@ def _copy_plain_attributes(original: nn.Module, shell: nn.Module) -> None:
         shell.add_module(name, copy)
 
 
+def _layer_index(block: nn.Module) -> Optional[int]:
+    """The index under which ``block`` keeps its keys and values in a Hugging Face cache (the
+    ``layer_idx`` of the block or of its attention), or None."""
+    return next((m.layer_idx for m in block.modules() if isinstance(getattr(m, "layer_idx", None), int)), None)
+
+
 class SkipBlock(nn.Module):
     """Stand-in for a block owned by another stage: no weights, passes the hidden state through."""
 
     def __init__(self, runtime: StageRuntime, index: int, original: nn.Module):
         super().__init__()
-        self._dispatch = BlockDispatch(runtime, index)
+        self._dispatch = BlockDispatch(runtime, index, _layer_index(original))
         _copy_plain_attributes(original, self)
 
     def forward(self, *args, **kwargs):
