@@ -325,7 +325,10 @@ class PipelineEngine:
             self.relay = Relay(self.plan, self.mesh, self.link.device)
         relay = self.relay
         relay.agree_on_randomness()
-        hooks = [self.module.get_submodule(name).register_forward_hook(relay.share) for name in self.plan.post]
+        hooks = [self.module.get_submodule(name).register_forward_hook(relay.share(owner, values))
+                 for names, owner, values in ((self.plan.pre, self.plan.rank_of_stage(0), False),
+                                              (self.plan.post, relay.holder, True))
+                 for name in names]
         self.runtime.device, self.runtime.relay = self.link.device, relay
         try:
             with ExitStack() as kept:

@@ -12,7 +12,9 @@ flight at a time), and each forward is run by all ranks together:
   the same length, so the cache's length, which gives positions and masks, is right on every rank
   (``kv_cache``);
 * the outputs of the modules after the blocks (final norm, head) are broadcast from the last stage's
-  rank, so every rank's decoding loop sees the same logits and picks the same token;
+  rank, so every rank's decoding loop sees the same logits and picks the same token; those of the
+  modules before the blocks (embeddings) reach the other ranks as zeros of their shape and dtype, as
+  in a pipelined step;
 * the random number generators of the pipeline's ranks start each such step in the last stage's
   state, so sampled tokens agree as well (seeding inside the step, ``torch.manual_seed``, works too).
 
@@ -114,24 +116,34 @@ class Relay:
         dist.recv(hidden, src=src, group=self.mesh.pp_group)
         return hidden, convention
 
-    # ---- the modules after the blocks -----------------------------------------------------------
-    def share(self, _module: Any, _args: Any, output: Any) -> Any:
-        """Forward hook of a module after the blocks: its output, as the last stage's rank computed it,
-        on every rank of the pipeline (the stand-ins elsewhere computed zeros)."""
-        src = self.mesh.stage_rank(self.holder)
+    # ---- the modules before and after the blocks -------------------------------------------------
+    def share(self, rank: int, values: bool) -> Callable:
+        """A forward hook for a module before or after the blocks, run by pipeline rank ``rank`` (the first
+        or the last stage's; the stand-ins elsewhere return None). Its output on every rank of the pipeline:
+        with ``values``, as ``rank`` computed it (the head's logits); else zeros of its structure, shapes and
+        dtypes, as in a pipelined step (an embedding's output: the other ranks' blocks before their own
+        pass it through, and a caller that keeps its own copy of the hidden state adds zeros to the received
+        state, see ``stage_modules``)."""
+        return lambda module, args, output: self._share(output, rank, values)
+
+    def _share(self, output: Any, rank: int, values: bool) -> Any:
+        src, is_src = self.mesh.stage_rank(rank), self.mesh.pp_rank == rank
         leaves, spec = tree_flatten(output)
         described = None
-        if self.is_holder:  # the structure, each tensor's shape and dtype, every other value
+        if is_src:  # the structure, each tensor's shape and dtype, every other value
             described = spec, [(True, leaf.shape, leaf.dtype) if isinstance(leaf, torch.Tensor) else (False, leaf, None)
                                for leaf in leaves]
-        spec, described = broadcast_object(described, src, self.mesh.pp_group, self.device, self.is_holder)
+        spec, described = broadcast_object(described, src, self.mesh.pp_group, self.device, is_src)
+        if is_src and not values:
+            return output
         shared = []
         for n, (is_tensor, value, dtype) in enumerate(described):
             if not is_tensor:
                 shared.append(value)
-                continue
-            buffer = leaves[n].detach().contiguous() if self.is_holder else torch.empty(value, dtype=dtype,
-                                                                                        device=self.device)
-            dist.broadcast(buffer, src=src, group=self.mesh.pp_group)
-            shared.append(buffer)
-        return output if self.is_holder else tree_unflatten(shared, spec)
+            elif not values:
+                shared.append(torch.zeros(value, dtype=dtype, device=self.device))
+            else:
+                buffer = leaves[n].detach().contiguous() if is_src else torch.empty(value, dtype=dtype, device=self.device)
+                dist.broadcast(buffer, src=src, group=self.mesh.pp_group)
+                shared.append(buffer)
+        return output if is_src else tree_unflatten(shared, spec)
