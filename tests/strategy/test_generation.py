@@ -1,15 +1,18 @@
 """Evaluation that generates: ``validation_step`` / ``test_step`` / ``predict_step`` calling
-``self.model.generate(...)`` (greedy, and sampled under a seed; KV cache on).
+``self.model.generate(...)`` (greedy, and sampled under a seed; KV cache on; left-padded prompts, so the
+padding mask and the cache's length decide positions and masks).
 
-Under tensor parallelism every rank runs the whole decoding loop on its shards and gets one device's
-tokens. Under pipeline parallelism a decoding loop cannot run across the stages (see
-``pipeline/generation.py``): setup refuses it with that reason and what works, before any process waits
-on another.
+Under tensor parallelism every rank runs the whole decoding loop on its shards. Under pipeline
+parallelism every rank runs the step and each forward passes through the stages, which keep their own
+layers' cache (``pipeline/relay.py``); the logits come from the last stage. Under context parallelism the
+step runs unsplit on every CP rank; under expert parallelism each rank generates from its own prompts,
+its tokens routed to the experts of every rank. Each gives one device's tokens on every rank.
 
-Tokens are compared exactly. At TP2 the logits differ from one device's by float32 reassociation only
-(~1e-6 relative); greedy picks the same token unless two logits are that close, and a seeded sample
-draws the same uniform numbers, so it differs only if one falls within ~1e-6 of a boundary between two
-tokens' cumulative probabilities: neither happens on this model's few dozen tokens.
+Tokens are compared exactly. The logits differ from one device's by float32 reassociation only (~1e-6
+relative; none at all under pipelining or unsplit CP, which run one device's operations); greedy picks
+the same token unless two logits are that close, and a seeded sample draws the same uniform numbers, so
+it differs only if one falls within ~1e-6 of a boundary between two tokens' cumulative probabilities:
+neither happens on these models' few dozen tokens.
 """
 
 from __future__ import annotations
@@ -61,10 +64,17 @@ class Generates(L.LightningModule):
         self.tokens.append(self._generate(batch))
 
     def predict_step(self, batch, batch_idx):
-        return self._generate(batch)
+        self.tokens.append(self._generate(batch))
+        return self.tokens[-1]
+
+    def _save(self):
+        torch.save(torch.cat(self.tokens), os.path.join(self.out, f"rank{self.global_rank}.pt"))
 
     def on_validation_epoch_end(self):
-        torch.save(torch.cat(self.tokens), os.path.join(self.out, f"rank{self.global_rank}.pt"))
+        self._save()
+
+    def on_predict_epoch_end(self):
+        self._save()
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
@@ -81,31 +91,70 @@ def _prompts() -> DataLoader:
     return DataLoader(TensorDataset(prompts), batch_size=2)
 
 
-def _validate(folder: str, out, devices: int = 1, strategy="auto") -> list[torch.Tensor]:
+def _evaluate(folder: str, out, devices: int = 1, strategy="auto", entry: str = "validate") -> list[torch.Tensor]:
+    """Every rank's tokens from ``trainer.<entry>`` (validate or predict) over ``_prompts()``."""
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     os.makedirs(out, exist_ok=True)
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False,
                         enable_progress_bar=False, enable_model_summary=False)
-    trainer.validate(Generates(folder, str(out)), _prompts())
+    getattr(trainer, entry)(Generates(folder, str(out)), _prompts())
     return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(devices)]
 
 
+@pytest.fixture(scope="module")
+def expected(folder, tmp_path_factory) -> torch.Tensor:
+    tokens = _evaluate(folder, tmp_path_factory.mktemp("one"))[0]
+    assert tokens.shape == (4, 2 * (PROMPT + NEW))
+    return tokens
+
+
+def _strategy(**sizes) -> ParallelStrategy:
+    return ParallelStrategy(start_method="fork", timeout=60, **sizes)
+
+
 @pytest.mark.timeout(180)
-def test_generate_in_validation_step_at_tp2_gives_one_devices_tokens(folder, tmp_path):
-    expected = _validate(folder, tmp_path / "one")[0]
-    assert expected.shape == (4, 2 * (PROMPT + NEW))
-    strategy = ParallelStrategy(tensor_parallel=2, start_method="fork", timeout=60)
-    for tokens in _validate(folder, tmp_path / "tp2", 2, strategy):
+def test_generate_in_validation_step_at_tp2_gives_one_devices_tokens(folder, expected, tmp_path):
+    for tokens in _evaluate(folder, tmp_path, 2, _strategy(tensor_parallel=2)):
         assert torch.equal(tokens, expected)
 
 
 @pytest.mark.timeout(180)
-def test_generate_in_validation_step_at_pp2_gives_one_devices_tokens(folder, tmp_path):
-    expected = _validate(folder, tmp_path / "one")[0]
-    strategy = ParallelStrategy(pipeline_parallel=2, start_method="fork", timeout=60)
-    for tokens in _validate(folder, tmp_path / "pp2", 2, strategy):
+def test_generate_in_validation_and_predict_step_at_pp2_gives_one_devices_tokens(folder, expected, tmp_path):
+    for entry in ("validate", "predict"):
+        for tokens in _evaluate(folder, tmp_path / entry, 2, _strategy(pipeline_parallel=2), entry):
+            assert torch.equal(tokens, expected), entry
+
+
+@pytest.mark.timeout(180)
+def test_generate_in_validation_step_at_pp2_tp2_gives_one_devices_tokens(folder, expected, tmp_path):
+    for tokens in _evaluate(folder, tmp_path, 4, _strategy(pipeline_parallel=2, tensor_parallel=2)):
         assert torch.equal(tokens, expected)
+
+
+@pytest.mark.timeout(180)
+def test_generate_in_validation_step_at_cp2_gives_one_devices_tokens(folder, expected, tmp_path):
+    for tokens in _evaluate(folder, tmp_path, 2, _strategy(context_parallel=2)):
+        assert torch.equal(tokens, expected)
+
+
+@pytest.mark.timeout(180)
+def test_generate_in_validation_step_at_ep2_gives_one_devices_tokens_for_each_ranks_prompts(tmp_path):
+    """A tiny Mixtral (4 experts, 2 a token) at EP2: each rank reads every other prompt (a data-parallel
+    replica), its tokens dispatched to both ranks' experts in every decoding step."""
+    from tests.expert_parallel.test_ep_training import moe_config
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = moe_config("mixtral")
+    config.vocab_size = VOCAB
+    folder = str(tmp_path / "moe")
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    one = Generates(folder).eval()
+    prompts = next(iter(DataLoader(_prompts().dataset, batch_size=4)))
+    got = _evaluate(folder, tmp_path / "ep2", 2, _strategy(expert_parallel=2))
+    for rank, tokens in enumerate(got):
+        assert torch.equal(tokens, one._generate(prompts[rank::2]))  # DistributedSampler: every other sample
 
 
 class TrainsOnGenerated(Generates):
