@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_parallel import ParallelStrategy
+from lightning_parallel.models.gpt import GPT
 from lightning_parallel.pipeline.errors import PipelineIncompatibleModel
 from lightning_parallel.pipeline.generation import generating_step, generating_steps, refuse_generating_training
 from tests.helpers.parity import TensorDataset
@@ -172,3 +173,42 @@ def test_every_evaluation_step_that_generates_is_found_and_a_training_step_that_
     refuse_generating_training(module)  # evaluation steps that generate run relayed
     with pytest.raises(PipelineIncompatibleModel, match="training_step calls generate"):
         refuse_generating_training(TrainsOnGenerated(folder))
+
+
+class NanoGenerates(GPT):
+    """The project's GPT with nanoGPT's decoding loop: the whole window through ``self(idx)`` for every new
+    token (no cache), greedy and sampled."""
+
+    def __init__(self, out: str = ""):
+        torch.manual_seed(0)
+        super().__init__(vocab_size=VOCAB, block_size=32, n_layer=4, n_head=2, n_embd=32)
+        self.out = out
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, new: int, sample: bool) -> torch.Tensor:
+        for _ in range(new):
+            probs = torch.softmax(self(idx)[:, -1], dim=-1)
+            nxt = torch.multinomial(probs, 1) if sample else probs.argmax(-1, keepdim=True)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx
+
+    def validation_step(self, batch, batch_idx):
+        torch.manual_seed(7)
+        tokens = torch.cat([self.generate(batch, NEW, False), self.generate(batch, NEW, True)], dim=1)
+        torch.save(tokens, os.path.join(self.out, f"rank{self.global_rank}-{batch_idx}.pt"))
+
+    def on_validation_epoch_end(self):
+        pass  # GPT's logs a validation loss this step does not compute
+
+
+@pytest.mark.timeout(180)
+def test_nanogpt_style_generate_in_validation_step_at_pp2_gives_one_devices_tokens(tmp_path):
+    for devices, strategy in ((1, "auto"), (2, _strategy(pipeline_parallel=2))):
+        out = tmp_path / str(devices)
+        os.makedirs(out)
+        L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False, enable_progress_bar=False,
+                  enable_model_summary=False).validate(NanoGenerates(str(out)), _prompts())
+    for batch in range(2):
+        expected = torch.load(tmp_path / "1" / f"rank0-{batch}.pt")
+        for rank in range(2):
+            assert torch.equal(torch.load(tmp_path / "2" / f"rank{rank}-{batch}.pt"), expected)
