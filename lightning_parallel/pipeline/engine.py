@@ -20,7 +20,8 @@ Where the schedule has a weight pass ``W`` for a micro-batch, its backward ``B``
 input gradient and ``W`` the weight gradients, nothing twice (``backward_split``); schedules
 without weight passes get one for the rank's last backward, so its input gradient leaves before
 its weight gradients are computed. Neighbouring stages on one rank (the bottom of a V) hand the
-hidden state and its gradient over in memory.
+hidden state and its gradient over in memory. An evaluation step that calls ``generate()`` is not
+scheduled: it runs on every rank with each of its forwards relayed through the stages (``relay``).
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ class PipelineEngine:
         that fails (data-dependent code such as ``.item()``), and without an example, registration
         order is assumed and checked while training. The same run shows over which targets the loss
         is a mean (``targets``; on the meta device, learnt from the first real step instead).
+        A ``step`` that generates (``generation``) is not traced: registration order stands.
         """
         mesh, rank = self.mesh, self.mesh.pp_rank
         refuse_generating_training(self.module)

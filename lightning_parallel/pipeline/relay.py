@@ -29,7 +29,6 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_parallel.mesh import ParallelMesh
@@ -143,7 +142,8 @@ class Relay:
             elif not values:
                 shared.append(torch.zeros(value, dtype=dtype, device=self.device))
             else:
-                buffer = leaves[n].detach().contiguous() if is_src else torch.empty(value, dtype=dtype, device=self.device)
+                buffer = (leaves[n].detach().contiguous() if is_src
+                          else torch.empty(value, dtype=dtype, device=self.device))
                 dist.broadcast(buffer, src=src, group=self.mesh.pp_group)
                 shared.append(buffer)
         return output if is_src else tree_unflatten(shared, spec)

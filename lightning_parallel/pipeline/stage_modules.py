@@ -18,6 +18,10 @@ state: the caller's update then turns its stale ``h``, zeros from the placeholde
 ``0 + received``, the exact value. ``PipelineEngine.partition`` checks at setup that the caller's
 copy indeed equals the received state wherever the caller reuses a block's input
 (``StageRuntime.probing``); ``order.trace_run_order`` checks that nothing else crosses.
+
+In a step that generates, ``StageRuntime.relay`` is set and every block call goes to it instead: the
+whole forward runs on every rank, each block on its owner (``relay``); the stand-ins before and after
+the blocks return None there, replaced by the relay's hooks with what their owner computed.
 """
 
 from __future__ import annotations
