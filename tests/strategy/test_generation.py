@@ -212,3 +212,19 @@ def test_nanogpt_style_generate_in_validation_step_at_pp2_gives_one_devices_toke
         expected = torch.load(tmp_path / "1" / f"rank0-{batch}.pt")
         for rank in range(2):
             assert torch.equal(torch.load(tmp_path / "2" / f"rank{rank}-{batch}.pt"), expected)
+
+
+def test_a_decoding_loop_written_in_the_step_is_refused_at_the_pipeline_trace_with_the_way_that_works():
+    from lightning_parallel.pipeline.order import trace_run_order
+
+    module = NanoGenerates()
+    prompts = next(iter(_prompts()))
+
+    def inline_loop():  # the loop of generate(), not in a method of that name: not found from the step's code
+        idx = prompts
+        for _ in range(2):
+            idx = torch.cat([idx, module(idx)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        return idx.float().sum()
+
+    with pytest.raises(PipelineIncompatibleModel, match="more than once: a decoding loop .* method named generate"):
+        trace_run_order(module, "transformer.h", inline_loop)
