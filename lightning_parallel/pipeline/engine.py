@@ -457,6 +457,7 @@ class PipelineEngine:
         last = stage == self.plan.num_stages - 1
         self.runtime.device = self.link.device
         self.runtime.begin(self.plan.stage_blocks[stage], not last, received, convention or 0, training)
+        self.runtime.stage = stage
         tracking = self.meter.tracking() if self.meter and training else nullcontext()
         try:
             with tracking, self.randomness.active() if self.randomness else nullcontext(), ExitStack() as kept:

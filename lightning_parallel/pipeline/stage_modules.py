@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from lightning_parallel.compat import in_backward, tree_flatten, tree_map
-from lightning_parallel.pipeline.errors import PipelineIncompatibleModel, without_gradients
+from lightning_parallel.pipeline.errors import REPEATED_FORWARD, PipelineIncompatibleModel, without_gradients
 from lightning_parallel.pipeline.partition import StagePlan
 
 TENSOR = 0  # how a block returns its hidden state: the tensor itself (0), or element 0 of a tuple of that length
@@ -83,6 +83,8 @@ class StageRuntime:
     device: torch.device = torch.device("cpu")  # where the stage computes (meta while probing a meta-device model)
     # set during a step that generates: every block call goes to it (``relay.Relay``), whole forwards run
     relay: Any = None
+    stage: int = 0
+    received_taken: bool = False  # the first block took the received state in this forward
 
     def begin(self, blocks: range, exits: bool, received: Optional[torch.Tensor], convention: int,
               training: bool = False) -> None:
@@ -90,6 +92,7 @@ class StageRuntime:
         self.first_block, self.last_block, self.exits = blocks.start, blocks.stop - 1, exits
         self.received, self.convention = received, convention
         self.previous_out, self.blocks_started, self.active = (), False, True
+        self.received_taken = False
 
     def end(self) -> None:
         self.received, self.previous_out, self.active = None, (), False
@@ -177,6 +180,11 @@ class BlockDispatch:
             out = wrap(hidden, rt.convention)
         else:
             if self.index == rt.first_block and rt.received is not None:
+                if rt.received_taken and hidden.shape != rt.received.shape:
+                    # a second forward of the step, on another input (a decoding loop's longer sequence or new
+                    # token), would start from the first one's received state
+                    raise PipelineIncompatibleModel(REPEATED_FORWARD.format(stage=rt.stage))
+                rt.received_taken = True
                 if rt.probing and not hidden.is_meta:  # a meta-device model has no values to compare
                     rt.caller_matches = hidden is rt.received or torch.equal(hidden, rt.received)
                 rt.substituted[id(hidden)] = (weakref.ref(hidden), weakref.ref(rt.received))

@@ -228,3 +228,18 @@ def test_a_decoding_loop_written_in_the_step_is_refused_at_the_pipeline_trace_wi
 
     with pytest.raises(PipelineIncompatibleModel, match="more than once: a decoding loop .* method named generate"):
         trace_run_order(module, "transformer.h", inline_loop)
+
+
+def test_a_decoding_loop_in_an_untraced_pipelined_step_is_refused_where_its_second_forward_reaches_a_stage():
+    """A validation during fit is not traced: on the last stage the loop's second forward, on a longer
+    sequence, would start again from the first forward's received state; it is refused there instead. A
+    second forward on an input of the same shape keeps working as before."""
+    from lightning_parallel.pipeline.stage_modules import BlockDispatch, StageRuntime
+
+    runtime = StageRuntime()
+    runtime.begin(range(2, 4), False, torch.randn(2, PROMPT, 8), 0)
+    first_block = BlockDispatch(runtime, 2)
+    for _ in range(2):
+        assert torch.equal(first_block(lambda h: 2 * h, torch.zeros(2, PROMPT, 8)), 2 * runtime.received)
+    with pytest.raises(PipelineIncompatibleModel, match="ran twice in one step.*method named generate"):
+        first_block(lambda h: 2 * h, torch.zeros(2, PROMPT + 1, 8))
