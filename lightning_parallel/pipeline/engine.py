@@ -20,7 +20,8 @@ Where the schedule has a weight pass ``W`` for a micro-batch, its backward ``B``
 input gradient and ``W`` the weight gradients, nothing twice (``backward_split``); schedules
 without weight passes get one for the rank's last backward, so its input gradient leaves before
 its weight gradients are computed. Neighbouring stages on one rank (the bottom of a V) hand the
-hidden state and its gradient over in memory.
+hidden state and its gradient over in memory. An evaluation step that calls ``generate()`` is not
+scheduled: it runs on every rank with each of its forwards relayed through the stages (``relay``).
 """
 
 from __future__ import annotations
@@ -35,14 +36,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_parallel.compat import attached_trainer, autograd_engine, tree_map
+from lightning_parallel.compat import autograd_engine, tree_map
 from lightning_parallel.mesh import ParallelMesh, local_part
 from lightning_parallel.options import ParallelOptions
 from lightning_parallel.pipeline.backward_split import SplitUnsupported, backward_input
 from lightning_parallel.pipeline.broadcast import broadcast_object
 from lightning_parallel.pipeline.compare import close, floating_tensors
 from lightning_parallel.pipeline.errors import PipelineConfigError, PipelineIncompatibleModel
-from lightning_parallel.pipeline.generation import refuse_generation
+from lightning_parallel.pipeline.generation import generating_steps, refuse_generating_training
 from lightning_parallel.pipeline.isolation import untouched
 from lightning_parallel.pipeline.logs import LogCapture, replay
 from lightning_parallel.pipeline.memory import ActivationMeter
@@ -52,6 +53,7 @@ from lightning_parallel.pipeline.order import RunOrder, trace_run_order, traced_
 from lightning_parallel.pipeline.p2p import Message, StageLink
 from lightning_parallel.pipeline.partition import plan_stages, shared_parameters
 from lightning_parallel.pipeline.randomness import StageRandomness
+from lightning_parallel.pipeline.relay import Relay
 from lightning_parallel.pipeline.schedules import (
     Action,
     Interval,
@@ -112,6 +114,9 @@ class PipelineEngine:
         # shape and dtype of each block's input in the setup trace, and how blocks return the hidden state
         # (``RunOrder.arity``); None without a trace. Not the trace itself: its results hold the graph
         self.traced_inputs: Optional[tuple[tuple[tuple[torch.Size, torch.dtype], ...], int]] = None
+        # evaluation steps that call generate(): run relayed (``relay``), not pipelined; known at ``partition``
+        self.generating: frozenset[str] = frozenset()
+        self.relay: Optional[Relay] = None
 
     # ---- setup -----------------------------------------------------------------------------
     def partition(self, example: Any = None, step: str = "training_step") -> None:
@@ -126,12 +131,14 @@ class PipelineEngine:
         that fails (data-dependent code such as ``.item()``), and without an example, registration
         order is assumed and checked while training. The same run shows over which targets the loss
         is a mean (``targets``; on the meta device, learnt from the first real step instead).
+        A ``step`` that generates (``generation``) is not traced: registration order stands.
         """
         mesh, rank = self.mesh, self.mesh.pp_rank
-        refuse_generation(self.module, self._steps_run(step))
+        refuse_generating_training(self.module)
+        self.generating = generating_steps(self.module)
         order = None
         on_meta = any(p.is_meta for p in self.module.parameters())
-        if example is not None:
+        if example is not None and step not in self.generating:  # a decoding loop is no trace: order as registered
             whole = whole_batch_values(example)
             if whole and rank == 0:
                 warnings.warn(
@@ -160,13 +167,6 @@ class PipelineEngine:
         if order is not None:
             with meta_device(self.module, on_meta):
                 self._probe(order, meta_batch(micro) if on_meta else micro, step_fn, on_meta)
-
-    def _steps_run(self, step: str) -> list[str]:
-        """The steps the Trainer's current loop runs under the pipeline: ``step``, and while fitting
-        ``validation_step`` unless validation is skipped."""
-        trainer = attached_trainer(self.module)
-        validates = trainer is not None and trainer.limit_val_batches != 0
-        return [step, "validation_step"] if step == "training_step" and validates else [step]
 
     def run_stages(self, batch: Any, step: str) -> None:
         """Run each of this rank's stages forward once on the first micro-batch of ``batch`` (a batch as
@@ -304,13 +304,45 @@ class PipelineEngine:
         return self._run(self.module.training_step, batch, (batch_idx,), loss_scale)
 
     def validation_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
-        return self._run(self.module.validation_step, batch, (batch_idx, *args), None)
+        return self._evaluate(self.module.validation_step, batch, (batch_idx, *args))
 
     def test_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
-        return self._run(self.module.test_step, batch, (batch_idx, *args), None)
+        return self._evaluate(self.module.test_step, batch, (batch_idx, *args))
 
     def predict_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
-        return self._run(self.module.predict_step, batch, (batch_idx, *args), None)
+        return self._evaluate(self.module.predict_step, batch, (batch_idx, *args))
+
+    def _evaluate(self, step_fn: Callable, batch: Any, step_args: tuple) -> Any:
+        if step_fn.__name__ in self.generating:
+            return self._relayed(step_fn, batch, step_args)
+        return self._run(step_fn, batch, step_args, None)
+
+    def _relayed(self, step_fn: Callable, batch: Any, step_args: tuple) -> Any:
+        """The user's step on the whole batch, on every rank, each forward run by all the pipeline's ranks
+        together (``relay``): every rank returns, and logs, what one device's step would. Torchmetrics
+        updates stay on the last stage's rank, as in a pipelined step."""
+        if self.link is None:
+            raise RuntimeError("PipelineEngine.partition() must run before the first step")
+        if self.relay is None or self.relay.device != self.link.device:
+            self.relay = Relay(self.plan, self.mesh, self.link.device)
+        relay = self.relay
+        relay.agree_on_randomness()
+        hooks = [self.module.get_submodule(name).register_forward_hook(relay.share(owner, values))
+                 for names, owner, values in ((self.plan.pre, self.plan.rank_of_stage(0), False),
+                                              (self.plan.post, relay.holder, True))
+                 for name in names]
+        self.runtime.device, self.runtime.relay = self.link.device, relay
+        try:
+            with ExitStack() as kept:
+                if not relay.is_holder:
+                    for metric in self.metrics:
+                        kept.enter_context(untouched(metric))
+                return step_fn(batch, *step_args)
+        finally:
+            self.runtime.relay = None
+            relay.end()
+            for hook in hooks:
+                hook.remove()
 
     @torch.no_grad()
     def sync_tied_grads(self) -> None:
@@ -425,6 +457,7 @@ class PipelineEngine:
         last = stage == self.plan.num_stages - 1
         self.runtime.device = self.link.device
         self.runtime.begin(self.plan.stage_blocks[stage], not last, received, convention or 0, training)
+        self.runtime.stage = stage
         tracking = self.meter.tracking() if self.meter and training else nullcontext()
         try:
             with tracking, self.randomness.active() if self.randomness else nullcontext(), ExitStack() as kept:

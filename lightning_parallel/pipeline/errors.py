@@ -32,3 +32,12 @@ def without_gradients(index: int) -> str:
     checkpointing = any(f.filename.replace("\\", "/").endswith("torch/utils/checkpoint.py")
                         for f in traceback.extract_stack())
     return (REENTRANT if checkpointing else NO_GRAD).format(index=index)
+
+
+REPEATED_FORWARD = (
+    "the first block of pipeline stage {stage} ran twice in one step, the second time on an input of another shape: "
+    "the step runs the model's forward more than once (a decoding loop written in the step), and a pipelined step "
+    "passes one forward through the stages. A "
+    "decoding loop in an evaluation step runs through the stages when it is a method named generate (of the module "
+    "or the model) that the step calls"
+)

@@ -1,14 +1,12 @@
-"""Steps that generate: a decoding loop cannot run across pipeline stages, and is refused at setup.
+"""Steps that generate: found at setup, so the engine runs them relayed (``relay``) instead of pipelined.
 
 ``model.generate(...)`` (Hugging Face's ``GenerationMixin``, nanoGPT's loop) calls the model's forward
-once per new token, under ``torch.no_grad()``, inside one call of the user's step. A pipeline stage
-runs a step once per micro-batch and leaves it at its stage boundary with one hidden state for the
-next stage (``stage_modules``): the first forward of the loop would end the step on every stage but
-the last, and the last stage would decode from stand-in values. Stages that each keep their own
-layers' KV cache and pass every decoding step through the pipeline would need the engine to drive
-the model's forward rather than the step; until then a step that generates is refused before the
-setup trace (which would otherwise stop at the first block run with gradients disabled and blame
-activation checkpointing), with what does work.
+once per new token, under ``torch.no_grad()``, inside one call of the user's step. A pipelined step
+stops each stage at its boundary after one forward (``stage_modules``), which a decoding loop cannot
+do; so an evaluation step that generates (``validation_step``, ``test_step``, ``predict_step``) runs on
+every rank of the pipeline with each of its forwards passing through the stages (``relay``), and the
+setup trace, which would run the whole decoding loop, is not taken from it. A ``training_step`` that
+generates is refused: its backward would have to run through the same relayed forwards.
 
 Found from the step's code, not by running it: the step, or a method of the module it calls, names
 an attribute ``generate`` while a module of the model has a ``generate`` method.
@@ -60,19 +58,22 @@ def generating_step(module: nn.Module, steps: list[str]) -> Optional[str]:
     return None
 
 
-def refuse_generation(module: nn.Module, steps: list[str]) -> None:
-    """Raise ``PipelineIncompatibleModel`` if one of ``steps`` generates (see the module docstring)."""
-    step = generating_step(module, steps)
-    if step is None:
+EVALUATION_STEPS = ("validation_step", "test_step", "predict_step")
+
+
+def generating_steps(module: nn.Module) -> frozenset[str]:
+    """The evaluation steps of ``module`` that call a ``generate`` of the model."""
+    return frozenset(step for step in EVALUATION_STEPS if generating_step(module, [step]))
+
+
+def refuse_generating_training(module: nn.Module) -> None:
+    """Raise ``PipelineIncompatibleModel`` if ``training_step`` generates (see the module docstring)."""
+    if generating_step(module, ["training_step"]) is None:
         return
-    during_fit = step == "validation_step" and "training_step" in steps
     raise PipelineIncompatibleModel(
-        f"{step} calls generate(), which runs the model's forward once per new token inside one call of the "
-        f"step; a pipeline stage runs {step} once per micro-batch and hands a single hidden state to the next "
-        "stage, so a decoding loop and its KV cache cannot run across pipeline stages. What works: generate with "
-        "tensor or data parallelism (pipeline_parallel=1, tensor_parallel=N: one device's tokens), or train with "
-        "pipelining and generate from its checkpoint on one device (MyModule.load_from_checkpoint(dir), or "
-        "lp-export and from_pretrained); a step that computes a loss or logits with one forward runs under "
-        "pipelining"
-        + ("; to train with pipelining now, skip this validation (Trainer(limit_val_batches=0))" if during_fit else "")
+        "training_step calls generate(), which runs the model's forward once per new token inside one call of the "
+        "step; under pipeline parallelism a training step's forwards and backwards run per micro-batch through the "
+        "stages' schedule, and a decoding loop's forwards cannot be scheduled that way. What works: generate in "
+        "validation_step, test_step or predict_step (relayed through the stages: one device's tokens), or train "
+        "such a step with tensor or data parallelism (pipeline_parallel=1)"
     )

@@ -258,10 +258,15 @@ def traced_conditions(module: nn.Module) -> Iterator[None]:
 def _check_block_calls(rec: _Recorder, path: str) -> None:
     if rec.entered != list(range(rec.n)):
         shown = rec.entered if len(rec.entered) <= 12 else rec.entered[:12] + ["..."]
+        whole = list(range(rec.n))
+        repeated = len(rec.entered) > rec.n and rec.entered == whole * (len(rec.entered) // rec.n)
         raise PipelineIncompatibleModel(
             f"the blocks of {path} ran in the order {shown} in one forward; pipeline stages need each of its {rec.n} "
             f"blocks to run exactly once, in order (0..{rec.n - 1}). Set pipeline_blocks to a block list that does, "
             "or train without pipelining (pipeline_parallel=1)"
+            + ("; the step runs the whole model more than once: a decoding loop in an evaluation step runs through "
+               "the stages when it is a method named generate (of the module or the model) that the step calls"
+               if repeated else "")
         )
 
 

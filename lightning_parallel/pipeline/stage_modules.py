@@ -18,6 +18,10 @@ state: the caller's update then turns its stale ``h``, zeros from the placeholde
 ``0 + received``, the exact value. ``PipelineEngine.partition`` checks at setup that the caller's
 copy indeed equals the received state wherever the caller reuses a block's input
 (``StageRuntime.probing``); ``order.trace_run_order`` checks that nothing else crosses.
+
+In a step that generates, ``StageRuntime.relay`` is set and every block call goes to it instead: the
+whole forward runs on every rank, each block on its owner (``relay``); the stand-ins before and after
+the blocks return None there, replaced by the relay's hooks with what their owner computed.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import torch
 from torch import nn
 
 from lightning_parallel.compat import in_backward, tree_flatten, tree_map
-from lightning_parallel.pipeline.errors import PipelineIncompatibleModel, without_gradients
+from lightning_parallel.pipeline.errors import REPEATED_FORWARD, PipelineIncompatibleModel, without_gradients
 from lightning_parallel.pipeline.partition import StagePlan
 
 TENSOR = 0  # how a block returns its hidden state: the tensor itself (0), or element 0 of a tuple of that length
@@ -77,6 +81,10 @@ class StageRuntime:
     caller_matches: Optional[bool] = None
     training: bool = False
     device: torch.device = torch.device("cpu")  # where the stage computes (meta while probing a meta-device model)
+    # set during a step that generates: every block call goes to it (``relay.Relay``), whole forwards run
+    relay: Any = None
+    stage: int = 0
+    received_taken: bool = False  # the first block took the received state in this forward
 
     def begin(self, blocks: range, exits: bool, received: Optional[torch.Tensor], convention: int,
               training: bool = False) -> None:
@@ -84,6 +92,7 @@ class StageRuntime:
         self.first_block, self.last_block, self.exits = blocks.start, blocks.stop - 1, exits
         self.received, self.convention = received, convention
         self.previous_out, self.blocks_started, self.active = (), False, True
+        self.received_taken = False
 
     def end(self) -> None:
         self.received, self.previous_out, self.active = None, (), False
@@ -145,11 +154,14 @@ def _split_input(args: tuple, kwargs: dict) -> tuple[torch.Tensor, tuple, dict]:
 class BlockDispatch:
     """Decides what block ``index`` does: skip, take the received hidden state, run, or end the stage."""
 
-    def __init__(self, runtime: StageRuntime, index: int):
+    def __init__(self, runtime: StageRuntime, index: int, cache_index: Optional[int] = None):
         self.runtime, self.index = runtime, index
+        self.cache_index = index if cache_index is None else cache_index  # the block's layer in a KV cache
 
     def __call__(self, forward: Optional[Callable], *args, **kwargs):
         rt = self.runtime
+        if rt.relay is not None:
+            return rt.relay.block(self.index, forward, self.cache_index, args, kwargs)
         if not rt.active:
             if in_backward():  # inside backward: activation checkpointing recomputes
                 return rt.recompute(forward, args, kwargs)
@@ -168,6 +180,11 @@ class BlockDispatch:
             out = wrap(hidden, rt.convention)
         else:
             if self.index == rt.first_block and rt.received is not None:
+                if rt.received_taken and hidden.shape != rt.received.shape:
+                    # a second forward of the step, on another input (a decoding loop's longer sequence or new
+                    # token), would start from the first one's received state
+                    raise PipelineIncompatibleModel(REPEATED_FORWARD.format(stage=rt.stage))
+                rt.received_taken = True
                 if rt.probing and not hidden.is_meta:  # a meta-device model has no values to compare
                     rt.caller_matches = hidden is rt.received or torch.equal(hidden, rt.received)
                 rt.substituted[id(hidden)] = (weakref.ref(hidden), weakref.ref(rt.received))
@@ -215,12 +232,18 @@ def _copy_plain_attributes(original: nn.Module, shell: nn.Module) -> None:
         shell.add_module(name, copy)
 
 
+def _layer_index(block: nn.Module) -> Optional[int]:
+    """The index under which ``block`` keeps its keys and values in a Hugging Face cache (the
+    ``layer_idx`` of the block or of its attention), or None."""
+    return next((m.layer_idx for m in block.modules() if isinstance(getattr(m, "layer_idx", None), int)), None)
+
+
 class SkipBlock(nn.Module):
     """Stand-in for a block owned by another stage: no weights, passes the hidden state through."""
 
     def __init__(self, runtime: StageRuntime, index: int, original: nn.Module):
         super().__init__()
-        self._dispatch = BlockDispatch(runtime, index)
+        self._dispatch = BlockDispatch(runtime, index, _layer_index(original))
         _copy_plain_attributes(original, self)
 
     def forward(self, *args, **kwargs):
@@ -320,6 +343,8 @@ class Placeholder(nn.Module):
             return self.runtime.stand_in(value) if isinstance(value, torch.Tensor) else value
 
     def forward(self, *args, **kwargs):
+        if self.runtime.relay is not None:  # the owner's output arrives through the relay's hook on this module
+            return None
         if self.before_blocks is not None:
             check_order(self.runtime, self.name, self.before_blocks)
         if self._meta is not None:

@@ -70,6 +70,7 @@ from lightning_parallel.expert_parallel import ExpertParallel
 from lightning_parallel.fault_tolerance.groups import ReplicaGroups
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.options import ParallelOptions
+from lightning_parallel.pipeline.generation import generating_steps
 from lightning_parallel.pipeline.partition import find_blocks
 from lightning_parallel.planner import SearchResult
 from lightning_parallel.planner.auto import choose_for
@@ -181,6 +182,8 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         self.pipeline = None  # pipeline.PipelineEngine when pipeline_parallel > 1
         self.zero: Optional[ZeroOneSharding] = None
         self.context_parallel: Optional[ContextParallel] = None  # the sequence split, when context_parallel > 1
+        # evaluation steps that call generate(): under context parallelism they run unsplit (``_in_sequence_split``)
+        self._unsplit_steps: frozenset[str] = frozenset()
         self.fully_sharded: Optional[FullySharded] = None  # ZeRO-2/3
         self.experts: Optional[ExpertParallel] = None  # the placed experts, when expert_parallel > 1
         self._sync_blocked = False
@@ -375,6 +378,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
             if self.options.cp > 1:
                 path, blocks = find_blocks(module, self.options.pipeline_blocks)
                 self.context_parallel = ContextParallel(blocks, self.mesh.cp_group, path)
+                self._unsplit_steps = generating_steps(module)
                 self._split_module = weakref.ref(module)
         if self.is_model_split:  # Lightning's summary would count rank 0's shard of its stage
             report_whole_model(trainer.callbacks, self._unsplit_counts)
@@ -430,8 +434,9 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
             self._split_check = None
 
     def _step(self, step: str, run: Any) -> Any:
-        """``run()``, the user's ``step`` on the split model; the first one checked (``checks/first_step.py``)."""
-        if self._first_step is None or self._first_step.done:
+        """``run()``, the user's ``step`` on the split model; the first one checked (``checks/first_step.py``).
+        A step run without the sequence split is not the one checked."""
+        if self._first_step is None or self._first_step.done or step in self._unsplit_steps:
             return run()
         try:
             return self._first_step.run(step, run)
@@ -502,7 +507,14 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
 
     def _in_sequence_split(self, step: Any, *args: Any, **kwargs: Any) -> Any:
         """The user's ``step`` with the sequence split active; the first step's split check runs outside
-        it (``checks/first_step.py``), on the inputs the units received."""
+        it (``checks/first_step.py``), on the inputs the units received.
+
+        An evaluation step that calls ``generate()`` runs unsplit, the whole sequence on each CP rank (which
+        holds the replica's parameters and reads the replica's batch): each decoding step adds one token
+        per sequence, which cannot be cut into ``2 x context_parallel`` chunks, and the key/value cache
+        would hold each rank's chunks only. Every CP rank then returns one device's tokens."""
+        if getattr(step, "__name__", None) in self._unsplit_steps:
+            return step(*args, **kwargs)
         with self._sequence_split():
             return step(*args, **kwargs)
 
