@@ -1,0 +1,121 @@
+"""An unchanged Lightning Fabric training loop on a tiny Hugging Face Llama, and how the tests run it.
+
+``train`` is the loop a Fabric user writes (``init_module``, ``setup``, ``setup_dataloaders``,
+``backward``, ``clip_gradients`` by the global norm, ``save`` and ``load`` mid-run, ``all_reduce``); the
+tests run it once on one device and once on N fork-started processes with the same seed and the same
+global batches, and compare the records (``tests/helpers/parity.py``'s bound).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+from torch.utils.data import DataLoader
+
+from tests.helpers.parity import ReplicaBatches, TensorDataset
+from tests.helpers.processes import run_distributed
+
+STEPS, MAX_NORM, LR = 4, 0.5, 1e-2
+
+
+def tiny_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    return LlamaForCausalLM(config)
+
+
+def counting_data(n: int = 32, length: int = 16) -> TensorDataset:
+    """Sequences counting up from random offsets: learnable, so the loss falls."""
+    offsets = torch.randint(0, 64, (n, 1), generator=torch.Generator().manual_seed(0))
+    return TensorDataset((offsets + torch.arange(length)) % 64)
+
+
+def whole_parameters(model: torch.nn.Module, mesh: Any = None) -> dict[str, torch.Tensor]:
+    """Every parameter as one device holds it: ZeRO-2/3 rows gathered over the replicas, TP shards over
+    the TP group (collectives over both)."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_parallel.tensor_parallel import gather_full_tensor
+
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        if getattr(p, "tp_shard", None) is not None and mesh is not None and mesh.tp_size > 1:
+            t = gather_full_tensor(t, p.tp_shard, mesh)
+        out[name] = t.detach().cpu().clone()
+    return out
+
+
+def train(fabric: Any, loader: DataLoader, checkpoint: Optional[str], empty_init: bool = False,
+          save_at: int = 1, resume: Optional[str] = None, accumulate: int = 1) -> dict[str, Any]:
+    """The user's loop; returns the losses (mean over replicas), gradient norms and whole parameters."""
+    fabric.launch()
+    fabric.seed_everything(0)
+    with fabric.init_module(empty_init=empty_init):
+        model = tiny_llama()
+    built_on_meta = all(p.is_meta for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    model, optimizer = fabric.setup(model, optimizer)
+    loader = fabric.setup_dataloaders(loader)
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    if resume is not None:
+        fabric.load(resume, state)
+    losses, norms = [], []
+    for i, batch in enumerate(loader):
+        if i < state["step"]:
+            continue  # the batches before the checkpoint
+        last = (i + 1) % accumulate == 0
+        with fabric.no_backward_sync(model, enabled=not last):
+            loss = model(input_ids=batch, labels=batch).loss
+            fabric.backward(loss / accumulate)
+        if not last:
+            continue
+        norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(fabric.all_reduce(loss.detach(), reduce_op="mean")))
+        state["step"] = i + 1
+        if checkpoint is not None and i == save_at:
+            fabric.save(checkpoint, state)
+            state["step"] = -1
+            fabric.load(checkpoint, state)  # what was saved comes back
+            assert state["step"] == i + 1
+    fabric.barrier()
+    mesh = getattr(fabric.strategy, "mesh", None)
+    return {"losses": losses, "norms": norms, "params": whole_parameters(model, mesh), "meta": built_on_meta,
+            "replicas": float(fabric.all_reduce(torch.ones(()), reduce_op="sum")),
+            "broadcast": fabric.broadcast(fabric.global_rank + 7, src=0)}
+
+
+def one_device(replicas: int, per_rank: int, checkpoint: Optional[str] = None, **kwargs: Any) -> dict[str, Any]:
+    """The loop under Fabric on one CPU, reading at step k the union of what ``replicas`` ranks read."""
+    from lightning.fabric import Fabric
+
+    data = counting_data()
+    loader = DataLoader(data, batch_sampler=ReplicaBatches(len(data), replicas, per_rank))
+    return train(Fabric(accelerator="cpu", devices=1), loader, checkpoint, **kwargs)
+
+
+def _rank(rank: int, world_size: int, strategy: Any, per_rank: int, checkpoint: Optional[str],
+          kwargs: dict) -> dict[str, Any]:
+    from lightning.fabric import Fabric
+
+    # as torchrun starts them: Fabric joins the processes it finds (the process group exists already)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0")
+    if callable(strategy):
+        strategy = strategy()
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+    loader = DataLoader(counting_data(), batch_size=per_rank, shuffle=True)
+    return train(fabric, loader, checkpoint, **kwargs)
+
+
+def distributed(strategy: Any, world_size: int, per_rank: int, checkpoint: Optional[str] = None,
+                timeout: float = 120.0, **kwargs: Any) -> list[dict[str, Any]]:
+    """The loop on ``world_size`` fork-started processes under ``strategy`` (a name, or a callable that
+    builds the strategy in each process); one record per rank."""
+    return run_distributed(_rank, world_size, strategy, per_rank, checkpoint, kwargs, timeout=timeout)
