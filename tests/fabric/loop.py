@@ -28,6 +28,27 @@ def tiny_llama() -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
+def tiny_litgpt() -> torch.nn.Module:
+    """LitGPT's own ``GPT`` (Llama-style: RMSNorm, SwiGLU, 4 query heads over 2 KV heads, fused ``qkv``)."""
+    from litgpt.config import Config
+    from litgpt.model import GPT
+
+    return GPT(Config(block_size=16, vocab_size=64, padded_vocab_size=64, n_layer=2, n_head=4, n_embd=32,
+                      n_query_groups=2, rotary_percentage=1.0, parallel_residual=False, bias=False,
+                      norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", intermediate_size=64))
+
+
+def next_token_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """The loss as each model's own loop computes it: Hugging Face's from ``labels``, LitGPT's from logits."""
+    if hasattr(model, "lm_head") and hasattr(model, "transformer"):  # LitGPT
+        logits = model(batch)
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+    return model(input_ids=batch, labels=batch).loss
+
+
+MODELS = {"llama": tiny_llama, "litgpt": tiny_litgpt}
+
+
 def counting_data(n: int = 32, length: int = 16) -> TensorDataset:
     """Sequences counting up from random offsets: learnable, so the loss falls."""
     offsets = torch.randint(0, 64, (n, 1), generator=torch.Generator().manual_seed(0))
@@ -51,12 +72,13 @@ def whole_parameters(model: torch.nn.Module, mesh: Any = None) -> dict[str, torc
 
 
 def train(fabric: Any, loader: DataLoader, checkpoint: Optional[str], empty_init: bool = False,
-          save_at: int = 1, resume: Optional[str] = None, accumulate: int = 1) -> dict[str, Any]:
+          save_at: int = 1, resume: Optional[str] = None, accumulate: int = 1,
+          model_name: str = "llama") -> dict[str, Any]:
     """The user's loop; returns the losses (mean over replicas), gradient norms and whole parameters."""
     fabric.launch()
     fabric.seed_everything(0)
     with fabric.init_module(empty_init=empty_init):
-        model = tiny_llama()
+        model = MODELS[model_name]()
     built_on_meta = all(p.is_meta for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     model, optimizer = fabric.setup(model, optimizer)
@@ -70,7 +92,7 @@ def train(fabric: Any, loader: DataLoader, checkpoint: Optional[str], empty_init
             continue  # the batches before the checkpoint
         last = (i + 1) % accumulate == 0
         with fabric.no_backward_sync(model, enabled=not last):
-            loss = model(input_ids=batch, labels=batch).loss
+            loss = next_token_loss(model, batch)
             fabric.backward(loss / accumulate)
         if not last:
             continue

@@ -75,3 +75,12 @@ def test_checkpoint_resumes_on_another_layout(tmp_path, tmp_path_factory):
     ref = reference(tmp_path_factory, 1, 8)
     assert_close_series(resumed["losses"], ref["losses"][2:], atol=LOSS_BOUND)
     assert_params_close(resumed["params"], ref["params"], atol=PARAM_BOUND)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_litgpt_model_matches_one_device(zero_stage, tmp_path, tmp_path_factory):
+    """LitGPT's ``GPT`` in the same loop (its loss from the logits) at DP=2, and under ZeRO-3."""
+    records = distributed(lambda: FabricParallelStrategy(zero_stage=zero_stage), 2, 4,
+                          checkpoint=str(tmp_path / "ckpt"), model_name="litgpt")
+    assert_matches(records, reference(tmp_path_factory, 2, 4, model_name="litgpt"))
