@@ -38,6 +38,15 @@ def tiny_litgpt() -> torch.nn.Module:
                       norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", intermediate_size=64))
 
 
+def tiny_mixtral() -> torch.nn.Module:
+    """A Hugging Face Mixture-of-Experts LM: 4 experts per layer, 2 per token."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                            num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False))
+
+
 def next_token_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
     """The loss as each model's own loop computes it: Hugging Face's from ``labels``, LitGPT's from logits."""
     if hasattr(model, "lm_head") and hasattr(model, "transformer"):  # LitGPT
@@ -46,7 +55,7 @@ def next_token_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor
     return model(input_ids=batch, labels=batch).loss
 
 
-MODELS = {"llama": tiny_llama, "litgpt": tiny_litgpt}
+MODELS = {"llama": tiny_llama, "litgpt": tiny_litgpt, "mixtral": tiny_mixtral}
 
 
 def counting_data(n: int = 32, length: int = 16) -> TensorDataset:
@@ -57,7 +66,7 @@ def counting_data(n: int = 32, length: int = 16) -> TensorDataset:
 
 def whole_parameters(model: torch.nn.Module, mesh: Any = None) -> dict[str, torch.Tensor]:
     """Every parameter as one device holds it: ZeRO-2/3 rows gathered over the replicas, TP shards over
-    the TP group (collectives over both)."""
+    the TP group, experts over the expert-parallel group (collectives)."""
     from torch.distributed.tensor import DTensor
 
     from lightning_parallel.tensor_parallel import gather_full_tensor
@@ -67,6 +76,10 @@ def whole_parameters(model: torch.nn.Module, mesh: Any = None) -> dict[str, torc
         t = p.full_tensor() if isinstance(p, DTensor) else p.detach()
         if getattr(p, "tp_shard", None) is not None and mesh is not None and mesh.tp_size > 1:
             t = gather_full_tensor(t, p.tp_shard, mesh)
+        if hasattr(p, "expert_shard") and mesh is not None and mesh.ep_size > 1:  # experts by global id
+            parts = [torch.empty_like(t) for _ in range(mesh.ep_size)]
+            torch.distributed.all_gather(parts, t.contiguous(), group=mesh.ep_group)
+            t = torch.cat(parts)
         out[name] = t.detach().cpu().clone()
     return out
 
@@ -108,7 +121,11 @@ def train(fabric: Any, loader: DataLoader, checkpoint: Optional[str], empty_init
             assert state["step"] == i + 1
     fabric.barrier()
     mesh = getattr(fabric.strategy, "mesh", None)
+    from lightning_parallel.mesh import local_part
+
+    held = sum(local_part(p).numel() for p in model.parameters())  # what this rank holds of the model
     return {"losses": losses, "norms": norms, "params": whole_parameters(model, mesh), "meta": built_on_meta,
+            "held": held,
             "replicas": float(fabric.all_reduce(torch.ones(()), reduce_op="sum")),
             "broadcast": fabric.broadcast(fabric.global_rank + 7, src=0)}
 

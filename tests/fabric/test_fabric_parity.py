@@ -45,7 +45,10 @@ LAYOUTS = {
 def test_fabric_loop_matches_one_device(layout, tmp_path, tmp_path_factory):
     strategy, replicas, per_rank = LAYOUTS[layout]
     records = distributed(strategy, 2, per_rank, checkpoint=str(tmp_path / "ckpt"))
-    assert_matches(records, reference(tmp_path_factory, replicas, per_rank))
+    ref = reference(tmp_path_factory, replicas, per_rank)
+    assert_matches(records, ref)
+    whole = sum(t.numel() for t in ref["params"].values())
+    assert [r["held"] < whole for r in records] == [layout != "dp2"] * 2  # TP and ZeRO-3 split the model
     assert (tmp_path / "ckpt" / ".metadata").is_file()  # a Distributed Checkpoint directory
     # collectives: a sum counts each replica once (not each TP rank); broadcasts come from rank 0
     assert [r["replicas"] for r in records] == [float(replicas)] * 2
@@ -84,3 +87,13 @@ def test_litgpt_model_matches_one_device(zero_stage, tmp_path, tmp_path_factory)
     records = distributed(lambda: FabricParallelStrategy(zero_stage=zero_stage), 2, 4,
                           checkpoint=str(tmp_path / "ckpt"), model_name="litgpt")
     assert_matches(records, reference(tmp_path_factory, 2, 4, model_name="litgpt"))
+
+
+@pytest.mark.timeout(300)
+def test_expert_parallel_matches_one_device(tmp_path, tmp_path_factory):
+    """A Mixtral's experts placed over two data-parallel ranks (EP=2), clipped by the global norm."""
+    records = distributed(lambda: FabricParallelStrategy(expert_parallel=2), 2, 4,
+                          checkpoint=str(tmp_path / "ckpt"), model_name="mixtral")
+    ref = reference(tmp_path_factory, 2, 4, model_name="mixtral")
+    assert_matches(records, ref)
+    assert all(r["held"] < sum(t.numel() for t in ref["params"].values()) for r in records)  # half the experts
