@@ -31,7 +31,8 @@ class FabricTensorParallelStrategy(FabricParallelStrategy):
 
 
 class FabricPipelineParallelStrategy(FabricParallelStrategy):
-    """The name ``lp_pp``, which Fabric refuses at launch with what to use instead (see ``strategy.py``)."""
+    """Pipeline parallelism; ``pipeline_parallel=None`` makes one stage per process. The loop hands its loss
+    function to the model (``pipeline.py``)."""
 
     engine_class = PipelineParallelStrategy
     strategy_name = "lp_pp"
@@ -40,8 +41,8 @@ class FabricPipelineParallelStrategy(FabricParallelStrategy):
 FABRIC_STRATEGIES = {
     "lp_dp": (FabricDataParallelStrategy, "data parallelism (ZeRO 0-3) with bucketed, overlapped all-reduce"),
     "lp_tp": (FabricTensorParallelStrategy, "Megatron-style tensor parallelism over all devices"),
-    "lp_pp": (FabricPipelineParallelStrategy, "pipeline parallelism: Trainer only, refused with the way to run it"),
-    "lp_3d": (FabricParallelStrategy, "data x tensor x expert parallelism"),
+    "lp_pp": (FabricPipelineParallelStrategy, "pipeline parallelism (1F1B) over all devices"),
+    "lp_3d": (FabricParallelStrategy, "data x tensor x pipeline x expert parallelism"),
 }
 
 

@@ -11,7 +11,8 @@ Fabric                             the Trainer strategy's code
 ``launch`` / process set-up        ``ParallelStrategy.setup_environment``: launch checks, mesh
 ``init_module(empty_init=True)``   ``tensor_init_context``: meta device, recorded values
 ``setup_module``                   ``ParallelStrategy.split`` (``compose.split_model``),
-                                   ``hook_gradients`` (``GradientSynchronizer``)
+                                   ``hook_gradients`` (``GradientSynchronizer``); under PP
+                                   a module whose call runs the schedule (``pipeline.py``)
 ``setup_optimizers`` / ``setup``   ``prepare_optimizers`` (ZeRO-1, ``GradientFinalizer``); an
                                    optimizer built before the split is pointed at the split
                                    parameters (``optimizers.py``)
@@ -23,10 +24,11 @@ Fabric                             the Trainer strategy's code
 ``all_reduce`` ... ``broadcast``   ``MeshCollectives`` (a replica's TP ranks count once)
 =================================  ===========================================================
 
-Not under Fabric: pipeline parallelism (the schedule runs the loss inside the step, which a Fabric loop
-owns) and context parallelism (the sequence split must enclose the loss, computed by the loop), refused
-at launch; and the split check against the whole model (``verify_split``), which runs inside the
-Trainer's first step.
+Under pipeline parallelism the loop hands its loss function to the model, whose call runs the schedule
+(``pipeline.py``). Not under Fabric: context parallelism (the sequence split must enclose the loss,
+computed by the loop) and sizes given as "auto" (the planner reads the Trainer's data), refused at
+launch; and the split check against the whole model (``verify_split``), which runs inside the Trainer's
+first step.
 """
 
 from __future__ import annotations
@@ -54,11 +56,12 @@ from lightning_parallel.checkpoint.hf_models import describe as describe_hf_mode
 from lightning_parallel.errors import ConfigurationError
 from lightning_parallel.fabric import checkpoint as fabric_checkpoint
 from lightning_parallel.fabric.optimizers import parameter_names, rebind
+from lightning_parallel.fabric.pipeline import PipelinedModule
 from lightning_parallel.strategy.parallel import ParallelStrategy
 
 
 class FabricParallelStrategy(_FabricParallelStrategy):
-    """Data (ZeRO-1/2/3), tensor and expert parallelism for an unchanged Fabric loop.
+    """Data (ZeRO-1/2/3), tensor, expert and pipeline parallelism for an unchanged Fabric loop.
 
     Args:
         start_method: how Fabric starts the processes: ``"popen"`` (the script once per rank, as
@@ -95,6 +98,7 @@ class FabricParallelStrategy(_FabricParallelStrategy):
         self._start_method = start_method
         self._num_nodes = 1
         self._module: Optional[nn.Module] = None  # the module set up (one per strategy)
+        self._forward_module: Optional[nn.Module] = None  # what the loop calls: it, or its PipelinedModule
         self._backward_sync_control = _NoBackwardSync(self)
 
     # ---- what Fabric asks of a parallel strategy -------------------------------------------------
@@ -173,11 +177,9 @@ class FabricParallelStrategy(_FabricParallelStrategy):
 
     def _refuse_front_end_limits(self) -> None:
         options = self.options
-        if options.pp > 1 or options.pipeline_parallel == "auto":
-            raise ConfigurationError(
-                "pipeline_parallel under Fabric: the pipeline schedule computes the loss inside each micro-batch, "
-                "which a Fabric loop computes itself; train with the Trainer (Trainer(strategy=ParallelStrategy("
-                "pipeline_parallel=...))), or use data, tensor and expert parallelism under Fabric")
+        if options.is_auto:
+            raise ConfigurationError("sizes given as 'auto' are chosen from the Trainer's data; under Fabric give "
+                                     "them as numbers (lp-plan --search ranks the layouts)")
         if options.cp > 1:
             raise ConfigurationError(
                 "context_parallel under Fabric: the sequence split must enclose the loss, which a Fabric loop "
@@ -217,7 +219,8 @@ class FabricParallelStrategy(_FabricParallelStrategy):
             if engine.options.zero != 1:  # ZeRO-1 waits for the optimizers, whose state it shards
                 engine.prepare_optimizers(module)
             self._module = module
-        return module
+            self._forward_module = PipelinedModule(module, self) if engine.pipeline is not None else module
+        return self._forward_module
 
     def _before_forward(self) -> None:
         """What the Trainer strategy does before each step: the buffers broadcast over the replicas (DDP's
@@ -232,11 +235,11 @@ class FabricParallelStrategy(_FabricParallelStrategy):
                                     scheduler: Optional[Any] = None) -> tuple[nn.Module, list[Optimizer], Any]:
         """``fabric.setup(model, optimizer)``: the optimizers, built on the unsplit model, step its split."""
         names = parameter_names(module)
-        module = self.setup_module(module)
+        forward_module = self.setup_module(module)
         for optimizer in optimizers:
             rebind(optimizer, names, module)
         self._add_optimizers(optimizers)
-        return module, optimizers, scheduler
+        return forward_module, optimizers, scheduler
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -264,7 +267,11 @@ class FabricParallelStrategy(_FabricParallelStrategy):
         if engine.finalize_gradients is None:
             raise RuntimeError("zero_stage=1 shards the optimizers' state: set the optimizers up (fabric.setup(model, "
                                "optimizer) or fabric.setup_optimizers) before the first backward")
-        super().backward(tensor, module, *args, **kwargs)
+        if engine.pipeline is None:
+            super().backward(tensor, module, *args, **kwargs)
+        elif tensor.requires_grad:
+            raise RuntimeError("under pipeline parallelism the model's call runs the backward of every micro-batch: "
+                               "pass fabric.backward the loss model(batch, loss_fn=...) returned")
         if not engine._sync_blocked:
             engine.finalize_gradients()
 
@@ -331,6 +338,7 @@ class FabricParallelStrategy(_FabricParallelStrategy):
             raise TypeError(f"{type(self).__name__}.save_checkpoint(storage_options=..., filter=...) is not "
                             "supported: every rank writes its shards of the whole state to the directory")
         engine, module = self.engine, self._set_up_module()
+        state = self._unwrapped(state)
         checkpoint = fabric_checkpoint.to_lightning(state, module, engine.optimizers, engine.optimizer_state)
         checkpoint[HF_RECORD_KEY] = describe_hf_models(module)  # lp-export writes the HF models from it
         if engine.fully_sharded is not None:  # the parameters as the optimizer holds them
@@ -350,8 +358,16 @@ class FabricParallelStrategy(_FabricParallelStrategy):
                              "fabric.load(path, {'model': model, 'optimizer': optimizer, ...})")
         engine = self.engine
         checkpoint = load_sharded(engine, path, weights_only, strict=strict)
-        return fabric_checkpoint.restore(checkpoint, state, module, engine.optimizers,
-                                         engine.load_optimizer_state_dict, strict)
+        unwrapped = self._unwrapped(state)
+        remainder = fabric_checkpoint.restore(checkpoint, unwrapped, module, engine.optimizers,
+                                              engine.load_optimizer_state_dict, strict)
+        state.update((k, v) for k, v in unwrapped.items() if v is not module)  # values restored in place
+        return remainder
+
+    def _unwrapped(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` with the pipeline's wrapper (what Fabric unwraps its module to) as the module it runs."""
+        wrapper = self._forward_module
+        return {k: (self._module if v is wrapper and wrapper is not self._module else v) for k, v in state.items()}
 
     def _set_up_module(self) -> nn.Module:
         if self._module is None:

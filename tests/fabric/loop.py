@@ -86,7 +86,7 @@ def whole_parameters(model: torch.nn.Module, mesh: Any = None) -> dict[str, torc
 
 def train(fabric: Any, loader: DataLoader, checkpoint: Optional[str], empty_init: bool = False,
           save_at: int = 1, resume: Optional[str] = None, accumulate: int = 1,
-          model_name: str = "llama") -> dict[str, Any]:
+          model_name: str = "llama", pipelined: bool = False) -> dict[str, Any]:
     """The user's loop; returns the losses (mean over replicas), gradient norms and whole parameters."""
     fabric.launch()
     fabric.seed_everything(0)
@@ -105,8 +105,12 @@ def train(fabric: Any, loader: DataLoader, checkpoint: Optional[str], empty_init
             continue  # the batches before the checkpoint
         last = (i + 1) % accumulate == 0
         with fabric.no_backward_sync(model, enabled=not last):
-            loss = next_token_loss(model, batch)
-            fabric.backward(loss / accumulate)
+            if pipelined:  # the model runs the schedule over micro-batches, forward and backward
+                loss = model(batch, loss_fn=next_token_loss, loss_scale=1.0 / accumulate)  # the batch's loss
+                fabric.backward(loss)
+            else:
+                loss = next_token_loss(model, batch)
+                fabric.backward(loss / accumulate)
         if not last:
             continue
         norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=MAX_NORM)))
@@ -123,7 +127,8 @@ def train(fabric: Any, loader: DataLoader, checkpoint: Optional[str], empty_init
     mesh = getattr(fabric.strategy, "mesh", None)
     from lightning_parallel.mesh import local_part
 
-    held = sum(local_part(p).numel() for p in model.parameters())  # what this rank holds of the model
+    held = sum(local_part(p).numel() for p in model.module.parameters())  # what this rank holds of the model
+    model = model.module  # the user's module, as Fabric's wrapper exposes it (names as on one device)
     return {"losses": losses, "norms": norms, "params": whole_parameters(model, mesh), "meta": built_on_meta,
             "held": held,
             "replicas": float(fabric.all_reduce(torch.ones(()), reduce_op="sum")),

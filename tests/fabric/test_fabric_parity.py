@@ -97,3 +97,19 @@ def test_expert_parallel_matches_one_device(tmp_path, tmp_path_factory):
     ref = reference(tmp_path_factory, 2, 4, model_name="mixtral")
     assert_matches(records, ref)
     assert all(r["held"] < sum(t.numel() for t in ref["params"].values()) for r in records)  # half the experts
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_pipeline_matches_one_device(accumulate, tmp_path, tmp_path_factory):
+    """PP=2 (1F1B over two micro-batches): the loop hands its loss function to the model, whose call runs
+    the schedule; every stage reports the batch's loss, and each holds only its blocks. With two batches
+    per step, ``loss_scale=1/2`` and ``no_backward_sync``."""
+    per_rank = 8 // accumulate
+    records = distributed(lambda: FabricParallelStrategy(pipeline_parallel=2), 2, per_rank,
+                          checkpoint=str(tmp_path / "ckpt"), pipelined=True,
+                          accumulate=accumulate)
+    ref = reference(tmp_path_factory, 1, per_rank, **({"accumulate": 2} if accumulate == 2 else {}))
+    assert_matches(records, ref)
+    held = [set(r["params"]) for r in records]
+    assert held[0] and held[1] and held[0] != held[1] and held[0] | held[1] == set(ref["params"])
