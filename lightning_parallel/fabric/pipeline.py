@@ -39,8 +39,8 @@ class PipelinedModule(nn.Module):
     def forward(self, batch: Any, loss_fn: Optional[Callable[[nn.Module, Any], torch.Tensor]] = None,
                 loss_scale: float = 1.0) -> torch.Tensor:
         if loss_fn is None:
-            raise TypeError("under pipeline parallelism the model runs a training step over micro-batches: call it as "
-                            "model(batch, loss_fn=lambda module, micro_batch: loss) and pass the loss to fabric.backward")
+            raise TypeError("under pipeline parallelism the model runs a training step over micro-batches: call it "
+                            "as model(batch, loss_fn=lambda module, micro_batch: loss), then fabric.backward(loss)")
         engine = self._strategy[0].engine
         module = self.module
 

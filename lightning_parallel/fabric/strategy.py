@@ -33,7 +33,7 @@ first step.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
@@ -45,8 +45,7 @@ from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessS
 from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from torch import Tensor
-from torch import nn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -95,6 +94,7 @@ class FabricParallelStrategy(_FabricParallelStrategy):
         # the engine's launcher is never used (Fabric launches) and its rank watchdog follows Trainer calls
         self.engine: ParallelStrategy = self.engine_class(timeout=timeout, process_group_backend=process_group_backend,
                                                           lost_rank_timeout=None, **options)
+        self.engine.front_end = type(self).__name__  # refusals write their fixes as this class's arguments
         self._start_method = start_method
         self._num_nodes = 1
         self._module: Optional[nn.Module] = None  # the module set up (one per strategy)

@@ -115,6 +115,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
     """
 
     strategy_name = "lp_3d"
+    front_end: Optional[str] = None  # the class a script built, when another front end drives this one (Fabric)
 
     def __init__(
         self,
@@ -304,7 +305,9 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         try:
             yield
         except LightningParallelError as err:
-            raise err.in_language(python_arguments(type(self).__name__)) from None
+            front_end = self.front_end
+            writer = python_arguments(front_end, "Fabric") if front_end else python_arguments(type(self).__name__)
+            raise err.in_language(writer) from None
 
     @override
     def _configure_launcher(self) -> None:

@@ -4,7 +4,6 @@ parallel strategies equals Fabric on one device, within the documented bound (``
 from __future__ import annotations
 
 import pytest
-import torch
 
 from lightning_parallel.fabric import FabricParallelStrategy
 from tests.fabric.loop import STEPS, distributed, one_device

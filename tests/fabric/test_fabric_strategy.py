@@ -8,7 +8,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 
 import lightning_parallel  # noqa: F401 - registers the names
-from lightning_parallel.errors import ConfigurationError
+from lightning_parallel.errors import ConfigurationError, LightningParallelError
 from lightning_parallel.fabric import FabricParallelStrategy, FabricTensorParallelStrategy
 from lightning_parallel.strategy import TensorParallelStrategy
 from lightning_parallel.lightning_hooks import STRATEGY_NAMES
@@ -34,3 +34,13 @@ def test_context_parallelism_is_refused_at_launch():
     with pytest.raises(ConfigurationError, match="context_parallel under Fabric") as err:
         fabric.strategy.setup_environment()  # first thing at launch, before the process group
     assert "Trainer(strategy=ParallelStrategy(" in str(err.value)
+
+
+def test_a_bad_layout_is_refused_at_launch_in_the_fabric_class_arguments():
+    """Every rank runs the Trainer strategy's launch checks before its first collective; the fixes name
+    the class the script built."""
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=FabricParallelStrategy(tensor_parallel=2, data_parallel=2))
+    with pytest.raises(LightningParallelError, match="needs 4 processes") as err:
+        fabric.strategy.setup_environment()
+    assert "FabricParallelStrategy(data_parallel=1)" in str(err.value)
+    assert "Fabric(num_nodes=1, devices=4)" in str(err.value)
