@@ -42,7 +42,7 @@ FABRIC_STRATEGIES = {
     "lp_dp": (FabricDataParallelStrategy, "data parallelism (ZeRO 0-3) with bucketed, overlapped all-reduce"),
     "lp_tp": (FabricTensorParallelStrategy, "Megatron-style tensor parallelism over all devices"),
     "lp_pp": (FabricPipelineParallelStrategy, "pipeline parallelism (1F1B) over all devices"),
-    "lp_3d": (FabricParallelStrategy, "data x tensor x pipeline x expert parallelism"),
+    "lp_3d": (FabricParallelStrategy, "data x tensor x pipeline x context x expert parallelism"),
 }
 
 

@@ -17,6 +17,7 @@ Fabric                             the Trainer strategy's code
                                    optimizer built before the split is pointed at the split
                                    parameters (``optimizers.py``)
 ``backward``                       the gradients finalised after the window's last backward
+                                   (``GradientFinalizer``)
 ``no_backward_sync``               ``block_backward_sync``
 ``clip_gradients(max_norm=...)``   ``clipping.clip_grads_by_global_norm`` (the whole model's norm)
 ``save`` / ``load``                ``checkpoint.save_sharded`` / ``load_sharded``: Distributed
@@ -25,15 +26,16 @@ Fabric                             the Trainer strategy's code
 =================================  ===========================================================
 
 Under pipeline parallelism the loop hands its loss function to the model, whose call runs the schedule
-(``pipeline.py``). Not under Fabric: context parallelism (the sequence split must enclose the loss,
-computed by the loop) and sizes given as "auto" (the planner reads the Trainer's data), refused at
-launch; and the split check against the whole model (``verify_split``), which runs inside the Trainer's
-first step.
+(``pipeline.py``); under context parallelism each call of the model, and each backward, runs with the
+sequences split at the blocks (gathered after them, so the loop's loss sees whole sequences). Not under
+Fabric: ``replica_groups > 1`` and sizes given as "auto" (the planner reads the Trainer's data), refused
+at launch; and the split check against the whole model (``verify_split``), which runs inside the
+Trainer's first step.
 """
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
@@ -60,7 +62,7 @@ from lightning_parallel.strategy.parallel import ParallelStrategy
 
 
 class FabricParallelStrategy(_FabricParallelStrategy):
-    """Data (ZeRO-1/2/3), tensor, expert and pipeline parallelism for an unchanged Fabric loop.
+    """Data (ZeRO-1/2/3), tensor, context, expert and pipeline parallelism for an unchanged Fabric loop.
 
     Args:
         start_method: how Fabric starts the processes: ``"popen"`` (the script once per rank, as
@@ -99,6 +101,7 @@ class FabricParallelStrategy(_FabricParallelStrategy):
         self._num_nodes = 1
         self._module: Optional[nn.Module] = None  # the module set up (one per strategy)
         self._forward_module: Optional[nn.Module] = None  # what the loop calls: it, or its PipelinedModule
+        self._sequence_split = ExitStack()  # context parallelism's split, from a call's start to its end
         self._backward_sync_control = _NoBackwardSync(self)
 
     # ---- what Fabric asks of a parallel strategy -------------------------------------------------
@@ -180,11 +183,6 @@ class FabricParallelStrategy(_FabricParallelStrategy):
         if options.is_auto:
             raise ConfigurationError("sizes given as 'auto' are chosen from the Trainer's data; under Fabric give "
                                      "them as numbers (lp-plan --search ranks the layouts)")
-        if options.cp > 1:
-            raise ConfigurationError(
-                "context_parallel under Fabric: the sequence split must enclose the loss, which a Fabric loop "
-                "computes outside the model; train with the Trainer (Trainer(strategy=ParallelStrategy("
-                "context_parallel=...))), or use data, tensor and expert parallelism under Fabric")
         if options.replica_groups > 1:
             raise ConfigurationError("replica_groups > 1 under Fabric: the fault-tolerant quorum wraps the "
                                      "Trainer's optimizer step; train with the Trainer")
@@ -215,12 +213,25 @@ class FabricParallelStrategy(_FabricParallelStrategy):
             engine.connect(module)
             module.register_forward_pre_hook(lambda *_: self._before_forward())
             engine.split(module)
+            if engine.context_parallel is not None:
+                self._split_sequences_in_calls(module)
             engine.hook_gradients(module)
             if engine.options.zero != 1:  # ZeRO-1 waits for the optimizers, whose state it shards
                 engine.prepare_optimizers(module)
             self._module = module
             self._forward_module = PipelinedModule(module, self) if engine.pipeline is not None else module
         return self._forward_module
+
+    def _split_sequences_in_calls(self, module: nn.Module) -> None:
+        """Context parallelism: each call of ``module`` runs with the sequences split at its blocks (as the
+        Trainer strategy runs a step), left at the call's end, an exception's included."""
+        engine = self.engine
+
+        def enter(*_: Any) -> None:
+            self._sequence_split.enter_context(engine._sequence_split())
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(lambda *_: self._sequence_split.close(), always_call=True)
 
     def _before_forward(self) -> None:
         """What the Trainer strategy does before each step: the buffers broadcast over the replicas (DDP's
@@ -268,7 +279,8 @@ class FabricParallelStrategy(_FabricParallelStrategy):
             raise RuntimeError("zero_stage=1 shards the optimizers' state: set the optimizers up (fabric.setup(model, "
                                "optimizer) or fabric.setup_optimizers) before the first backward")
         if engine.pipeline is None:
-            super().backward(tensor, module, *args, **kwargs)
+            with engine._sequence_split():  # blocks recomputed in backward split their sequences again
+                super().backward(tensor, module, *args, **kwargs)
         elif tensor.requires_grad:
             raise RuntimeError("under pipeline parallelism the model's call runs the backward of every micro-batch: "
                                "pass fabric.backward the loss model(batch, loss_fn=...) returned")

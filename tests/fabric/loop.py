@@ -93,6 +93,11 @@ def train(fabric: Any, loader: DataLoader, checkpoint: Optional[str], empty_init
     with fabric.init_module(empty_init=empty_init):
         model = MODELS[model_name]()
     built_on_meta = all(p.is_meta for p in model.parameters())
+    lengths: list[int] = []  # the sequence length the second block sees (a probe, not part of the loop)
+    if model_name == "llama":
+        model.model.layers[1].register_forward_pre_hook(
+            lambda m, args, kwargs: lengths.append((args[0] if args else kwargs["hidden_states"]).shape[1]),
+            with_kwargs=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     model, optimizer = fabric.setup(model, optimizer)
     loader = fabric.setup_dataloaders(loader)
@@ -130,7 +135,7 @@ def train(fabric: Any, loader: DataLoader, checkpoint: Optional[str], empty_init
     held = sum(local_part(p).numel() for p in model.module.parameters())  # what this rank holds of the model
     model = model.module  # the user's module, as Fabric's wrapper exposes it (names as on one device)
     return {"losses": losses, "norms": norms, "params": whole_parameters(model, mesh), "meta": built_on_meta,
-            "held": held,
+            "held": held, "lengths": sorted(set(lengths)),
             "replicas": float(fabric.all_reduce(torch.ones(()), reduce_op="sum")),
             "broadcast": fabric.broadcast(fabric.global_rank + 7, src=0)}
 

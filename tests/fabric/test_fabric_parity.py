@@ -112,3 +112,13 @@ def test_pipeline_matches_one_device(accumulate, tmp_path, tmp_path_factory):
     assert_matches(records, ref)
     held = [set(r["params"]) for r in records]
     assert held[0] and held[1] and held[0] != held[1] and held[0] | held[1] == set(ref["params"])
+
+
+@pytest.mark.timeout(300)
+def test_context_parallel_matches_one_device(tmp_path, tmp_path_factory):
+    """CP=2: each call of the model runs with its sequences split at the blocks (the loss on the gathered
+    sequence, as the loop computes it), and so does the backward."""
+    records = distributed(lambda: FabricParallelStrategy(context_parallel=2), 2, 8, checkpoint=str(tmp_path / "ckpt"))
+    ref = reference(tmp_path_factory, 1, 8)
+    assert_matches(records, ref)
+    assert ref["lengths"] == [16] and [r["lengths"] for r in records] == [[8], [8]]  # half a sequence per rank
