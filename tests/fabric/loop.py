@@ -58,6 +58,15 @@ def next_token_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor
 MODELS = {"llama": tiny_llama, "litgpt": tiny_litgpt, "mixtral": tiny_mixtral}
 
 
+def build(model_name: str) -> torch.nn.Module:
+    """A model of ``MODELS``, or ``"pretrained:<folder>"``: a Hugging Face Llama read with ``from_pretrained``."""
+    if model_name.startswith("pretrained:"):
+        from transformers import LlamaForCausalLM
+
+        return LlamaForCausalLM.from_pretrained(model_name.split(":", 1)[1])
+    return MODELS[model_name]()
+
+
 def counting_data(n: int = 32, length: int = 16) -> TensorDataset:
     """Sequences counting up from random offsets: learnable, so the loss falls."""
     offsets = torch.randint(0, 64, (n, 1), generator=torch.Generator().manual_seed(0))
@@ -91,10 +100,10 @@ def train(fabric: Any, loader: DataLoader, checkpoint: Optional[str], empty_init
     fabric.launch()
     fabric.seed_everything(0)
     with fabric.init_module(empty_init=empty_init):
-        model = MODELS[model_name]()
+        model = build(model_name)
     built_on_meta = all(p.is_meta for p in model.parameters())
     lengths: list[int] = []  # the sequence length the second block sees (a probe, not part of the loop)
-    if model_name == "llama":
+    if model_name == "llama" or model_name.startswith("pretrained:"):
         model.model.layers[1].register_forward_pre_hook(
             lambda m, args, kwargs: lengths.append((args[0] if args else kwargs["hidden_states"]).shape[1]),
             with_kwargs=True)

@@ -122,3 +122,16 @@ def test_context_parallel_matches_one_device(tmp_path, tmp_path_factory):
     ref = reference(tmp_path_factory, 1, 8)
     assert_matches(records, ref)
     assert ref["lengths"] == [16] and [r["lengths"] for r in records] == [[8], [8]]  # half a sequence per rank
+
+
+@pytest.mark.timeout(300)
+def test_pretrained_model_built_on_meta_matches_one_device(tmp_path, tmp_path_factory):
+    """``from_pretrained`` inside ``init_module(empty_init=True)`` at TP=2: each rank reads only its shards
+    of the weights (as under the Trainer), and trains as one device that read them whole."""
+    from tests.helpers.pretrained import save_tiny_llama
+
+    name = "pretrained:" + save_tiny_llama(tmp_path_factory.mktemp("hf") / "llama", layers=2)
+    records = distributed(lambda: FabricParallelStrategy(tensor_parallel=2), 2, 8, empty_init=True, model_name=name)
+    ref = one_device(1, 8, model_name=name)
+    assert all(r["meta"] for r in records) and not ref["meta"]
+    assert_matches(records, ref)
