@@ -1,5 +1,5 @@
-"""The Fabric front end without processes: registered names, the options they share with the Trainer
-presets, and the refusals at launch, before any collective."""
+"""The Fabric front end's parts: registered names, the options they share with the Trainer presets, the
+refusals at launch (before any collective), and ``no_backward_sync`` on two processes."""
 
 from __future__ import annotations
 
@@ -43,3 +43,37 @@ def test_a_bad_layout_is_refused_at_launch_in_the_fabric_class_arguments():
         fabric.strategy.setup_environment()
     assert "FabricParallelStrategy(data_parallel=1)" in str(err.value)
     assert "Fabric(num_nodes=1, devices=4)" in str(err.value)
+
+
+def _accumulate(rank: int, world_size: int) -> list[bool]:
+    """Two backwards on different data per rank, the first inside ``no_backward_sync``: whether the ranks'
+    gradients agree after each."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from tests.fabric.loop import tiny_llama
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0")
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy="lp_dp")
+    fabric.launch()
+    fabric.seed_everything(0)
+    model = fabric.setup(tiny_llama())
+    agree = []
+    for last in (False, True):
+        batch = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(10 * rank + last))
+        with fabric.no_backward_sync(model, enabled=not last):
+            fabric.backward(model(input_ids=batch, labels=batch).loss)
+        grad = model.module.lm_head.weight.grad.clone()
+        other = grad.clone()
+        dist.broadcast(other, src=0)
+        agree.append(torch.equal(grad, other))
+    return agree
+
+
+def test_no_backward_sync_keeps_gradients_local_until_the_window_ends():
+    from tests.helpers.processes import run_distributed
+
+    assert run_distributed(_accumulate, 2)[1] == [False, True]  # rank 1: its own gradient, then the mean
