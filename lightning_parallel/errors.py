@@ -66,9 +66,10 @@ def as_overrides(fix: Fix) -> str:
     return " ".join(f"{key}={hydra_value(value)}" for key, value in fix.settings.items())
 
 
-def python_arguments(strategy_class: str) -> Callable[[Fix], Optional[str]]:
-    """The writer for a script: ``ParallelStrategy(tensor_parallel=1)``, ``Trainer(devices=4)``; None
-    for a fix that names a setting a script does not pass as an argument (``data.batch_size``)."""
+def python_arguments(strategy_class: str, runner: str = "Trainer") -> Callable[[Fix], Optional[str]]:
+    """The writer for a script: ``ParallelStrategy(tensor_parallel=1)``, ``Trainer(devices=4)`` (``runner``:
+    ``Fabric`` takes the same ``devices`` and ``num_nodes``); None for a fix that names a setting a script
+    does not pass as an argument (``data.batch_size``)."""
 
     def write(fix: Fix) -> Optional[str]:
         calls: dict[str, list[str]] = {}
@@ -76,7 +77,7 @@ def python_arguments(strategy_class: str) -> Callable[[Fix], Optional[str]]:
             owner, _, name = key.partition(".")
             if owner not in ("strategy", "trainer") or not name:
                 return None
-            calls.setdefault(strategy_class if owner == "strategy" else "Trainer", []).append(f"{name}={value!r}")
+            calls.setdefault(strategy_class if owner == "strategy" else runner, []).append(f"{name}={value!r}")
         return ", ".join(f"{call}({', '.join(args)})" for call, args in calls.items())
 
     return write

@@ -1,7 +1,8 @@
 """What the package adds to Lightning as soon as ``lightning.pytorch`` is imported (``extend_lightning``).
 
 - The strategy names ``lp_dp``, ``lp_tp``, ``lp_pp`` and ``lp_3d`` in Lightning's ``StrategyRegistry``,
-  so ``Trainer(strategy="lp_tp")`` works; each builds its class on first use.
+  so ``Trainer(strategy="lp_tp")`` works, and in Fabric's ``STRATEGY_REGISTRY`` (``Fabric(strategy="lp_tp")``,
+  the front ends of ``lightning_parallel.fabric``); each builds its class on first use.
 - Lightning's checkpoint reader (``cloud_io._load``, bound as ``pl_load`` where Lightning reads a
   ``load_from_checkpoint`` path and a Trainer's ``ckpt_path``) loads a sharded checkpoint directory
   written by ``ParallelStrategy`` as its consolidated checkpoint, so one device reads it unchanged.
@@ -40,21 +41,25 @@ def extend_lightning() -> None:
     read_checkpoint_directories(_load_directory)
 
 
-def _strategy_factory(class_name: str) -> Callable[..., Any]:
+def _strategy_factory(class_name: str, module: str = "lightning_parallel.strategy") -> Callable[..., Any]:
     """Builds the strategy on first use, so registering imports nothing of ours."""
 
     def build(**kwargs: Any) -> Any:
-        return getattr(importlib.import_module("lightning_parallel.strategy"), class_name)(**kwargs)
+        return getattr(importlib.import_module(module), class_name)(**kwargs)
 
     return build
 
 
 def register_strategy_names() -> None:
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.pytorch.strategies import StrategyRegistry
 
     for name, (class_name, description) in STRATEGY_NAMES.items():
         if name not in StrategyRegistry:
             StrategyRegistry.register(name, _strategy_factory(class_name), description=description)
+        if name not in STRATEGY_REGISTRY:  # the Fabric front end of the same class (lightning_parallel.fabric)
+            STRATEGY_REGISTRY.register(name, _strategy_factory("Fabric" + class_name, "lightning_parallel.fabric"),
+                                       description=description)
 
 
 def _load_directory(path: Path, map_location: Any, weights_only: Optional[bool]) -> Optional[dict]:

@@ -26,6 +26,7 @@ SECOND_TIER = frozenset({
     "tests/cli/test_train.py::test_lp_train_with_two_data_parallel_processes_shares_one_run_folder",
     "tests/tensor_parallel/test_tp_wrappers.py::test_tp2_torch_compiled_hf_model_matches_single_process",
     "tests/checkpoint/test_one_device_load.py::test_reader_is_extended_when_lightning_is_imported_after_the_package",
+    "tests/fabric/test_litgpt_entry.py",
 })
 
 

@@ -311,17 +311,20 @@ def _name_plain_optimizers(piece: Piece, local_names: list[list[list[str]]]) -> 
 
 
 # ---- load ------------------------------------------------------------------------------------
-def load_sharded(strategy: Any, filepath: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+def load_sharded(strategy: Any, filepath: Any, weights_only: Optional[bool] = None,
+                 strict: Optional[bool] = None) -> dict[str, Any]:
     """Lightning's checkpoint dict for this rank: ``state_dict`` and ``optimizer_states`` resharded
     onto the current layout, ready for the default ``load_model_state_dict``/``load_optimizer_state_dict``;
     so are the module-shaped state dicts of weight averaging (``module_states.py``), which its callbacks
     load themselves.
 
     Every name and shape is checked on every rank first; if any rank finds a problem, all ranks
-    raise ``CheckpointMismatchError`` listing each parameter, and nothing is loaded.
+    raise ``CheckpointMismatchError`` listing each parameter, and nothing is loaded. ``strict``: whether
+    every tensor must match; None: the LightningModule's ``strict_loading`` (True for a plain module).
     """
     path = checkpoint_to_read(Path(strategy.broadcast(str(filepath))), weights_only)
     mesh, module, device = strategy.mesh, strategy.lightning_module, strategy.root_device
+    strict = getattr(module, "strict_loading", True) if strict is None else strict
     names = parameter_names(module, strategy.pipeline, mesh)
     local_names = [_group_names(opt, names) for opt in strategy.optimizers]
     local = module.state_dict(keep_vars=True)
@@ -333,7 +336,7 @@ def load_sharded(strategy: Any, filepath: Any, weights_only: Optional[bool] = No
         metadata = dcp.read_metadata(path)
         saved = dcp.tensor_shapes(metadata)
         saved_optimizers = meta["lightning_parallel"]["optimizers"]
-        problems = shape_mismatches(expected, saved, module.strict_loading)
+        problems = shape_mismatches(expected, saved, strict)
         problems += dcp.incomplete_tensors(metadata, [n for n in expected if n in saved])
         places = meta["lightning_parallel"].get("module_states", [])
         sections = [(dcp.module_state_prefix(k), [n for n in local if n in dcp.tensor_shapes(
@@ -344,8 +347,8 @@ def load_sharded(strategy: Any, filepath: Any, weights_only: Optional[bool] = No
         plain_with_optimizers = not is_sharded_checkpoint(path) and strategy.optimizers
         problems = _name_plain_optimizers(pieces[0], local_names) if plain_with_optimizers else []
         saved, saved_optimizers = saved_shapes(pieces), pieces[0].optimizers
-        problems += mismatches(expected, pieces, module.strict_loading)
-    if module.strict_loading:
+        problems += mismatches(expected, pieces, strict)
+    if strict:
         problems += unexpected(saved, _held_anywhere(list(saved), set(expected), device))
     problems += _optimizer_mismatches(saved_optimizers, local_names)
     _agree_on_problems(problems, path, device)

@@ -116,6 +116,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
     """
 
     strategy_name = "lp_3d"
+    front_end: Optional[str] = None  # the class a script built, when another front end drives this one (Fabric)
 
     def __init__(
         self,
@@ -307,7 +308,9 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         try:
             yield
         except LightningParallelError as err:
-            raise err.in_language(python_arguments(type(self).__name__)) from None
+            front_end = self.front_end
+            writer = python_arguments(front_end, "Fabric") if front_end else python_arguments(type(self).__name__)
+            raise err.in_language(writer) from None
 
     @override
     def _configure_launcher(self) -> None:
@@ -368,18 +371,7 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
             if self.pipeline is not None:
                 self.pipeline.link.device = self.root_device
         else:
-            if self._checks_model(module):  # as built now (configure_model, setup): checked again before the split
-                with self._refusals_in_arguments():
-                    validate_launch(self.options, self.num_nodes, self.num_processes, model=module,
-                                    automatic_optimization=module.automatic_optimization,
-                                    loss_scaler=getattr(self.precision_plugin, "scaler", None) is not None)
-            self._unsplit_counts = parameters_per_module(module)
-            split_model(self, module)
-            if self.options.cp > 1:
-                path, blocks = find_blocks(module, self.options.pipeline_blocks)
-                self.context_parallel = ContextParallel(blocks, self.mesh.cp_group, path)
-                self._unsplit_steps = generating_steps(module)
-                self._split_module = weakref.ref(module)
+            self.split(module)
         if self.is_model_split:  # Lightning's summary would count rank 0's shard of its stage
             report_whole_model(trainer.callbacks, self._unsplit_counts)
         sync_metrics_per_replica(module, self.mesh)  # TP ranks' identical metric states count once
@@ -399,20 +391,46 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         if self.options.broadcast_buffers and self.mesh.dp_cp_size > 1:
             self.buffer_broadcast = BufferBroadcast(module, self.mesh.dp_cp_group)
 
+    def split(self, module: Any) -> None:
+        """Split ``module`` over the mesh once (``compose.split_model``) and hook context parallelism:
+        the part of ``setup`` that needs no Trainer, shared with the Fabric front end (``fabric/``)."""
+        if self._checks_model(module):  # as built now (configure_model, setup): checked again before the split
+            with self._refusals_in_arguments():
+                validate_launch(self.options, self.num_nodes, self.num_processes, model=module,
+                                automatic_optimization=getattr(module, "automatic_optimization", True),
+                                loss_scaler=getattr(self.precision_plugin, "scaler", None) is not None)
+        self._unsplit_counts = parameters_per_module(module)
+        split_model(self, module)
+        if self.options.cp > 1:
+            path, blocks = find_blocks(module, self.options.pipeline_blocks)
+            self.context_parallel = ContextParallel(blocks, self.mesh.cp_group, path)
+            self._unsplit_steps = generating_steps(module)
+            self._split_module = weakref.ref(module)
+
     def _prepare_training(self, trainer: Any, module: Any) -> None:
         """For ``fit``: synchronised BatchNorm, the data-parallel gradient hooks, the optimizers of what is
         left after the split (ZeRO-1 sharding their state), and the order gradients are finalised in."""
         if self._layer_sync is not None:
             self.model = self._apply_layer_sync(self.model)
+        self.hook_gradients(module)
+        if self.pipeline is not None:
+            # the pipeline runs forward and backward itself, inside training_step
+            set_skip_backward(trainer, True)
+        self.setup_optimizers(trainer)
+        self.prepare_optimizers(module)
+
+    def hook_gradients(self, module: Any) -> None:
+        """The data-parallel gradient hooks on the parameters left after the split (before the optimizers
+        exist; ZeRO-2/3 reduces its own). Shared with the Fabric front end."""
         if self.mesh.dp_cp_size > 1 and self.fully_sharded is None:  # CP ranks hold the replica's parameters too
             self.grad_sync = gradient_synchronizer(
                 module, self.mesh, self.options.bucket_size_mb, shard=self.options.zero == 1,
                 deferred=shared_across_stages(module, self.pipeline) if self.pipeline is not None else (),
                 experts=self.experts)
-        if self.pipeline is not None:
-            # the pipeline runs forward and backward itself, inside training_step
-            set_skip_backward(trainer, True)
-        self.setup_optimizers(trainer)
+
+    def prepare_optimizers(self, module: Any) -> None:
+        """Once ``self.optimizers`` hold what is left after the split: ZeRO-1 shards their state, and the
+        order gradients are finalised in is fixed. Shared with the Fabric front end."""
         if self.fully_sharded is not None:
             refuse_whole_tensor_optimizers(self.optimizers, self.options.zero)
         if self.grad_sync is not None and self.options.zero == 1:
@@ -620,18 +638,20 @@ class ParallelStrategy(SplitCheckpoints, MeshCollectives, _LightningParallelStra
         finally:
             self._backward_split.close()
 
-    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> Tensor:
+        """Clip ``optimizer``'s gradients by the norm of the whole model (``clipping.py``); return that norm
+        before clipping (the Fabric front end returns it from ``clip_gradients``)."""
         params = list(self.precision_plugin.main_params(optimizer))
         counted_once = self.pipeline.is_counted_once if self.pipeline is not None else (lambda p: True)
         if self.zero is not None:
             original = self.zero.original
-            clip_grads_by_global_norm(params, float(clip_val), self.mesh, lambda p: counted_once(original.get(p, p)),
-                                      sharded_over=self.mesh.dp_cp_group)
-        elif self.fully_sharded is not None:
-            clip_grads_by_global_norm(params, float(clip_val), self.mesh, counted_once,
-                                      sharded_over=self.mesh.zero_shard_group)
-        else:
-            clip_grads_by_global_norm(params, float(clip_val), self.mesh, counted_once)
+            return clip_grads_by_global_norm(params, float(clip_val), self.mesh,
+                                             lambda p: counted_once(original.get(p, p)),
+                                             sharded_over=self.mesh.dp_cp_group)
+        if self.fully_sharded is not None:
+            return clip_grads_by_global_norm(params, float(clip_val), self.mesh, counted_once,
+                                             sharded_over=self.mesh.zero_shard_group)
+        return clip_grads_by_global_norm(params, float(clip_val), self.mesh, counted_once)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:

@@ -1,0 +1,82 @@
+"""LitGPT's own ``finetune_full`` entry point (``litgpt.finetune.full.setup``) on our strategy, by one line,
+at parity with its one-device run: a tiny LitGPT checkpoint, tokenizer and JSON data on disk."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_parallel.checkpoint.consolidate import load_directory
+from lightning_parallel.fabric import FabricParallelStrategy
+from tests.helpers.parity import PARAM_BOUND, assert_params_close
+
+
+def tiny_checkpoint(folder: Path) -> Path:
+    """What ``litgpt download`` leaves: ``model_config.yaml``, ``lit_model.pth`` and a tokenizer (one token
+    per character); and 16 samples whose answers have one length (the loss is a mean over tokens, so every
+    micro-batch weighs alike, whichever samples it pairs)."""
+    from litgpt.config import Config
+    from litgpt.model import GPT
+    from litgpt.utils import save_config
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    checkpoint = folder / "checkpoint"
+    checkpoint.mkdir(parents=True)
+    config = Config(name="tiny", block_size=64, vocab_size=128, padded_vocab_size=128, n_layer=2, n_head=4, n_embd=32,
+                    n_query_groups=2, rotary_percentage=1.0, parallel_residual=False, bias=False,
+                    norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", intermediate_size=64)
+    save_config(config, checkpoint)
+    torch.manual_seed(0)
+    torch.save(GPT(config).state_dict(), checkpoint / "lit_model.pth")
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2}
+    for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,:#\n":
+        vocab.setdefault(c, len(vocab))
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer.save(str(checkpoint / "tokenizer.json"))
+    (checkpoint / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+    samples = [{"instruction": "count", "input": "", "output": "".join(chr(97 + (k + j) % 26) for j in range(8))}
+               for k in range(16)]
+    (folder / "data.json").write_text(json.dumps(samples))
+    return checkpoint
+
+
+def finetune(folder: Path, checkpoint: Path, devices: int) -> Path:
+    """``litgpt finetune_full`` as its entry point runs it; each step reads the whole training set (12
+    samples: 6 micro-batches of 2 on one device, 3 per rank on two), so every layout sums the same
+    gradients."""
+    import litgpt.finetune.full as full
+    from litgpt.args import EvalArgs, TrainArgs
+    from litgpt.data import JSON
+
+    out = folder / f"out{devices}"
+    full.setup(checkpoint, out_dir=out, precision="32-true", devices=devices,
+               data=JSON(folder / "data.json", val_split_fraction=0.25),
+               train=TrainArgs(save_interval=2, log_interval=1, global_batch_size=12, micro_batch_size=2,
+                               lr_warmup_steps=1, epochs=3, max_seq_length=64),
+               eval=EvalArgs(interval=100, max_new_tokens=2, max_iters=1, initial_validation=False,
+                             final_validation=False),
+               optimizer="AdamW", logger_name="csv", seed=1)
+    return out / "final" / "lit_model.pth"
+
+
+@pytest.mark.timeout(600)
+def test_litgpt_finetune_full_on_two_processes_matches_one_device(tmp_path, monkeypatch):
+    import litgpt.finetune.full as full
+
+    checkpoint = tiny_checkpoint(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["litgpt", str(checkpoint)])  # litgpt records its command line's arguments
+    reference = torch.load(finetune(tmp_path, checkpoint, devices=1), weights_only=True)["model"]
+    # the one line: LitGPT builds FSDPStrategy for several devices; ours takes its place
+    monkeypatch.setattr(full, "FSDPStrategy", lambda **fsdp_options: FabricParallelStrategy(start_method="fork"))
+    saved = finetune(tmp_path, checkpoint, devices=2)
+    assert saved.is_dir()  # a Distributed Checkpoint directory, read back whole on one process
+    weights = load_directory(saved, "cpu", False)["state_dict"]
+    initial = torch.load(checkpoint / "lit_model.pth", weights_only=True)
+    assert max((reference[k] - initial[k]).abs().max() for k in initial) > 10 * PARAM_BOUND  # it trained
+    assert_params_close(weights, reference, atol=PARAM_BOUND)
