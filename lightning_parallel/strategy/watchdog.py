@@ -160,11 +160,13 @@ class RankWatchdog:
 
     def _linger(self, ended: str) -> None:
         """Rank 0 serves the store under Lightning's launchers: before it ends, the other ranks that are
-        alive read the record (for at most two beats)."""
+        alive read the record, so their errors name the lost rank rather than rank 0 (for at most
+        ``timeout`` or 10 s: on a loaded host a rank blocked in a failing collective takes seconds to
+        look; a rank lost with the first is never counted, so the wait is bounded)."""
         if self.rank != 0:
             return
         readers = self.world_size - 1 - (" is lost" in ended)
-        deadline = time.monotonic() + 2 * self.interval
+        deadline = time.monotonic() + max(2 * self.interval, min(self.timeout, 10.0))
         while time.monotonic() < deadline and self.store.add("read", 0) < readers + self._read:
             time.sleep(0.05)
 
