@@ -1,0 +1,120 @@
+"""Tensor parallelism past the key/value heads: each rank holds a copy of the KV head its query heads use.
+
+Parity is against one process, same seed, same batches, AdamW (lr 1e-2), within the documented float32
+bound (``tests/helpers/parity.py``: LOSS_BOUND, PARAM_BOUND). A copy whose gradient were not summed over
+the ranks sharing it would hold only its own query heads' part: the key/value weights then move by
+O(lr) = 1e-2 per step, a hundred times the bound (measured: 0.03 after three steps).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_parallel.checkpoint.chunks import tp_chunks
+from lightning_parallel.checkpoint.format import global_shape, local_shape
+from lightning_parallel.tensor_parallel import parallelize
+from lightning_parallel.tensor_parallel.detect import detect_plan
+from lightning_parallel.tensor_parallel.plan import TensorParallelError, parse_plan
+from lightning_parallel.tensor_parallel.resolve import resolve_plan
+from lightning_parallel.tensor_parallel.shard import TPShard, merge_shards, slice_shard
+from tests.helpers.parity import LOSS_BOUND, PARAM_BOUND, assert_param_close, full_parameters
+from tests.helpers.processes import make_mesh, run_distributed
+
+STEPS, BATCH, SEQ, VOCAB = 3, 2, 12, 48
+
+
+def causal_lm(arch: str, heads: int, kv_heads: int, head_dim: int = 8, layers: int = 2):
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),  # q/k/v biases: sliced and summed too
+    }[arch]
+    torch.manual_seed(0)
+    config = config_cls(vocab_size=VOCAB, hidden_size=heads * head_dim, intermediate_size=48, head_dim=head_dim,
+                        num_attention_heads=heads, num_key_value_heads=kv_heads, num_hidden_layers=layers,
+                        max_position_embeddings=SEQ)
+    return model_cls(config)
+
+
+def train(model, mesh=None):
+    if mesh is not None:
+        parallelize(model, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _worker(rank, world, arch, heads, kv_heads):
+    model = causal_lm(arch, heads, kv_heads)
+    losses = train(model, make_mesh(rank, world, tp=world))
+    attention = model.model.layers[0].self_attn
+    local = {"k_proj": tuple(attention.k_proj.weight.shape), "groups": attention.num_key_value_groups,
+             "k_copy": attention.k_proj.weight.detach().clone()}
+    full = {n: p.numpy() for n, p in full_parameters(model, make_mesh(rank, world, tp=world)).items()}
+    return losses, full, local
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("arch, heads, kv_heads, tp", [("qwen2", 4, 1, 2), ("llama", 4, 2, 4)],
+                         ids=["qwen2_tp2_one_kv_head", "llama_tp4_two_kv_heads"])
+def test_tp_past_the_kv_heads_matches_single_process(arch, heads, kv_heads, tp):
+    expected_losses = train(single := causal_lm(arch, heads, kv_heads))
+    expected = {n: p.detach() for n, p in single.named_parameters()}
+    results = run_distributed(_worker, tp, arch, heads, kv_heads, timeout=100)
+    copies = tp // kv_heads
+    for rank, (losses, params, local) in enumerate(results):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=0, atol=LOSS_BOUND)
+        for name, p in params.items():
+            assert_param_close(torch.from_numpy(p), expected[name], atol=PARAM_BOUND, name=name)
+        # one KV head per rank, the one its query heads use; the attention sees one local KV head
+        assert local["k_proj"] == (8, heads * 8) and local["groups"] == heads // tp
+        kv_head = rank // copies
+        assert torch.equal(local["k_copy"], slice_shard(torch.from_numpy(params["model.layers.0.self_attn.k_proj.weight"]),
+                                                        TPShard(dim=0), kv_head, kv_heads))
+        # the ranks sharing a head hold the same bits after training
+        assert torch.equal(local["k_copy"], results[kv_head * copies][2]["k_copy"])
+
+
+def test_copied_shards_cut_merge_and_save_each_head_once():
+    """A KV projection over 2 heads on TP4: ranks 0,1 hold head 0 and ranks 2,3 head 1; merging reads
+    one copy of each; the checkpoint chunks of the copies coincide, so DCP writes each once, in the
+    unsplit shape, which any TP size reads back."""
+    full = torch.arange(4 * 3, dtype=torch.float32).reshape(4, 3)  # 2 heads of size 2, 3 input features
+    shard = TPShard(dim=0, replicas=2)
+    shards = [slice_shard(full, shard, r, 4) for r in range(4)]
+    assert torch.equal(shards[0], full[:2]) and torch.equal(shards[1], full[:2]) and torch.equal(shards[3], full[2:])
+    assert torch.equal(merge_shards(shards, shard), full)
+    assert global_shape(shards[0].shape, shard, 4) == (4, 3) and local_shape((4, 3), shard, 4) == (2, 3)
+    chunks = [tp_chunks((4, 3), shard, r, 4) for r in range(4)]
+    assert chunks[0] == chunks[1] and chunks[2] == chunks[3]
+    assert [c.offsets for c in chunks[0] + chunks[2]] == [(0, 0), (2, 0)]
+
+
+def _resolve(model, tp, plan=None):
+    return resolve_plan(model, parse_plan(plan) if plan else detect_plan(model), tp, False)
+
+
+def test_kv_projections_are_found_in_the_models_plan_and_in_a_plan_a_user_writes():
+    model = causal_lm("llama", 4, 1, layers=1)
+    heads = {a.name: a.entry.heads for a in _resolve(model, 4)}
+    assert heads["model.layers.0.self_attn.k_proj"] == heads["model.layers.0.self_attn.v_proj"] == 1
+    assert heads["model.layers.0.self_attn.q_proj"] == 0 and heads["model.layers.0.mlp.up_proj"] == 0
+    written = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.k_proj": "colwise",
+               "model.layers.*.self_attn.v_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise"}
+    assert {a.name: a.entry.heads for a in _resolve(model, 2, written)}["model.layers.0.self_attn.v_proj"] == 1
+
+
+def test_tp_size_that_neither_divides_the_kv_heads_nor_is_a_multiple_is_refused_with_the_sizes_that_fit():
+    model = causal_lm("llama", 12, 4, head_dim=4, layers=1)
+    with pytest.raises(TensorParallelError, match=r"tensor_parallel=6 neither divides its 4 KV heads.*\[1, 2, 4, 12\]"):
+        _resolve(model, 6)
