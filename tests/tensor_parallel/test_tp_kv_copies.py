@@ -8,17 +8,27 @@ O(lr) = 1e-2 per step, a hundred times the bound (measured: 0.03 after three ste
 
 from __future__ import annotations
 
+import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lightning_parallel.checkpoint.chunks import tp_chunks
 from lightning_parallel.checkpoint.format import global_shape, local_shape
 from lightning_parallel.tensor_parallel import parallelize
 from lightning_parallel.tensor_parallel.detect import detect_plan
-from lightning_parallel.tensor_parallel.plan import TensorParallelError, parse_plan
+from lightning_parallel.tensor_parallel.plan import parse_plan
 from lightning_parallel.tensor_parallel.resolve import resolve_plan
 from lightning_parallel.tensor_parallel.shard import TPShard, merge_shards, slice_shard
-from tests.helpers.parity import LOSS_BOUND, PARAM_BOUND, assert_param_close, full_parameters
+from tests.helpers.parity import (
+    LOSS_BOUND,
+    PARAM_BOUND,
+    assert_close_series,
+    assert_param_close,
+    assert_params_close,
+    full_parameters,
+    mean_over_ranks,
+)
 from tests.helpers.processes import make_mesh, run_distributed
 
 STEPS, BATCH, SEQ, VOCAB = 3, 2, 12, 48
@@ -114,7 +124,44 @@ def test_kv_projections_are_found_in_the_models_plan_and_in_a_plan_a_user_writes
     assert {a.name: a.entry.heads for a in _resolve(model, 2, written)}["model.layers.0.self_attn.v_proj"] == 1
 
 
-def test_tp_size_that_neither_divides_the_kv_heads_nor_is_a_multiple_is_refused_with_the_sizes_that_fit():
-    model = causal_lm("llama", 12, 4, head_dim=4, layers=1)
-    with pytest.raises(TensorParallelError, match=r"tensor_parallel=6 neither divides its 4 KV heads.*\[1, 2, 4, 12\]"):
-        _resolve(model, 6)
+
+class OneKVHeadLM(L.LightningModule):
+    """A user's module around a Hugging Face Llama with 4 query heads over one KV head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.checkpoint.test_checkpoint import VOCAB as CKPT_VOCAB
+
+        self.model = causal_lm("llama", 4, 1)
+        self.model.resize_token_embeddings(CKPT_VOCAB)
+        torch.manual_seed(0)
+        self.model.apply(self.model._init_weights)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.model(input_ids=x).logits
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, eps=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_tp4_checkpoint_of_copied_kv_heads_resumes_on_tp2_and_consolidates_to_the_unsplit_model(tmp_path):
+    """Saved on TP4 (four copies of the one KV head), each head is stored once
+    under its unsplit name; TP2 resumes it with the uninterrupted run's losses and parameters (the bounds of
+    ``tests/checkpoint/test_checkpoint.py``), and lp-consolidate's state dict loads into the unsplit model."""
+    from lightning_parallel.checkpoint import consolidate
+    from tests.checkpoint.test_checkpoint import HALF, half_run
+    from tests.checkpoint.test_checkpoint import train as fit
+
+    reference = fit(tmp_path / "reference", build=OneKVHeadLM)[0]
+    checkpoint = half_run(tmp_path / "tp4", devices=4, tp=4, build=OneKVHeadLM)
+    unsplit = OneKVHeadLM().state_dict()
+    state = consolidate(checkpoint)["state_dict"]
+    assert {n: t.shape for n, t in state.items()} == {n: t.shape for n, t in unsplit.items()}
+    resumed = fit(tmp_path / "tp2", devices=2, tp=2, ckpt_path=checkpoint, build=OneKVHeadLM)
+    assert_close_series(mean_over_ranks(resumed), reference["losses"][HALF:], atol=LOSS_BOUND)
+    for record in resumed:  # the TP2 shards are another shape: the replicated parameters (norms)
+        assert_params_close(record["params"], reference["params"], atol=PARAM_BOUND,
+                            names=lambda n: record["params"][n].shape == reference["params"][n].shape)
