@@ -110,6 +110,22 @@ def test_copied_shards_cut_merge_and_save_each_head_once():
     assert [c.offsets for c in chunks[0] + chunks[2]] == [(0, 0), (2, 0)]
 
 
+def test_pretrained_file_reads_give_each_rank_its_copy(tmp_path):
+    """``from_pretrained`` under empty initialisation reads each rank's part straight from the file: the
+    copy ``slice_shard`` cuts, for a weight and a bias."""
+    from safetensors.torch import save_file
+
+    from lightning_parallel.checkpoint.pretrained import read_header, read_shard
+
+    full = {"w": torch.randn(4, 3), "b": torch.randn(4)}
+    save_file(full, tmp_path / "m.safetensors")
+    header = read_header(str(tmp_path / "m.safetensors"))
+    for name, tensor in full.items():
+        for rank in range(4):
+            shard = TPShard(dim=0, replicas=2)
+            assert torch.equal(read_shard(header[name], shard, rank, 4), slice_shard(tensor, shard, rank, 4))
+
+
 def _resolve(model, tp, plan=None):
     return resolve_plan(model, parse_plan(plan) if plan else detect_plan(model), tp, False)
 
