@@ -181,3 +181,21 @@ def test_tp4_checkpoint_of_copied_kv_heads_resumes_on_tp2_and_consolidates_to_th
     for record in resumed:  # the TP2 shards are another shape: the replicated parameters (norms)
         assert_params_close(record["params"], reference["params"], atol=PARAM_BOUND,
                             names=lambda n: record["params"][n].shape == reference["params"][n].shape)
+
+
+@pytest.mark.timeout(120)
+def test_clipping_by_the_global_norm_counts_each_kv_head_once(tmp_path):
+    """At clip 0.05 every step is clipped; the norm of TP2 counts the one KV head once, not per copy
+    (counted twice, the losses move by up to 1.6e-4, sixteen times the bound)."""
+    from lightning_parallel import ParallelStrategy
+    from tests.checkpoint.test_checkpoint import DATASET
+    from tests.helpers.parity import fit_and_record
+
+    clip = dict(max_steps=4, gradient_clip_val=0.05)
+    reference = fit_and_record(OneKVHeadLM(), DATASET, 8, str(tmp_path / "one"), emulate_replicas=1, **clip)[0]
+    unclipped = fit_and_record(OneKVHeadLM(), DATASET, 8, str(tmp_path / "free"), emulate_replicas=1, max_steps=4)[0]
+    assert max(abs(a - b) for a, b in zip(reference["losses"], unclipped["losses"])) > 10 * LOSS_BOUND
+    split = fit_and_record(OneKVHeadLM(), DATASET, 8, str(tmp_path / "tp2"), devices=2,
+                           strategy=ParallelStrategy(tensor_parallel=2, start_method="fork"), **clip)
+    for record in split:
+        assert_close_series(record["losses"], reference["losses"], atol=LOSS_BOUND)
