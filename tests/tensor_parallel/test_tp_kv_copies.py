@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from lightning_parallel.checkpoint.chunks import tp_chunks
 from lightning_parallel.checkpoint.format import global_shape, local_shape
+from lightning_parallel.checks.share import planned_share
 from lightning_parallel.tensor_parallel import parallelize
 from lightning_parallel.tensor_parallel.detect import detect_plan
 from lightning_parallel.tensor_parallel.plan import parse_plan
@@ -69,7 +70,7 @@ def _worker(rank, world, arch, heads, kv_heads):
     losses = train(model, make_mesh(rank, world, tp=world))
     attention = model.model.layers[0].self_attn
     local = {"k_proj": tuple(attention.k_proj.weight.shape), "groups": attention.num_key_value_groups,
-             "k_copy": attention.k_proj.weight.detach().clone()}
+             "k_copy": attention.k_proj.weight.detach().clone(), "held": sum(p.numel() for p in model.parameters())}
     full = {n: p.numpy() for n, p in full_parameters(model, make_mesh(rank, world, tp=world)).items()}
     return losses, full, local
 
@@ -82,7 +83,10 @@ def test_tp_past_the_kv_heads_matches_single_process(arch, heads, kv_heads, tp):
     expected = {n: p.detach() for n, p in single.named_parameters()}
     results = run_distributed(_worker, tp, arch, heads, kv_heads, timeout=100)
     copies = tp // kv_heads
+    unsplit = causal_lm(arch, heads, kv_heads)
+    planned = planned_share(unsplit, _resolve(unsplit, tp), tp, None)  # what the launch checks report
     for rank, (losses, params, local) in enumerate(results):
+        assert local["held"] == planned.largest
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=0, atol=LOSS_BOUND)
         for name, p in params.items():
             assert_param_close(torch.from_numpy(p), expected[name], atol=PARAM_BOUND, name=name)
