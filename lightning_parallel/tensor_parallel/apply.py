@@ -138,7 +138,7 @@ def apply_plan(
             new = _colwise(m, shard, a.entry.fused, a.entry.gather_output, sp, copies)
             holder = root.get_submodule(a.name.rpartition(".")[0]) if "." in a.name else root
             if copies > 1 and id(holder) not in localised:  # the attention sees one local KV head
-                localise_groups(holder, copies)
+                localise_groups(holder, copies, mesh.tp_size)
                 localised.add(id(holder))
         elif style == "rowwise":
             new = _rowwise(m, shard, sp, a.entry.fused, a.entry.split_input)

@@ -29,6 +29,7 @@ from .plan import TensorParallelError
 from .shapes import projection_role
 
 GROUP_SIZES = ("num_key_value_groups", "num_kv_groups")  # query heads per KV head, as attention code stores it
+KV_COUNTS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")  # KV heads, as attention code stores them
 
 
 def kv_head_counts(module: nn.Module) -> Optional[tuple[int, int]]:
@@ -105,12 +106,18 @@ def mark_kv_projections(root: nn.Module, assignments: dict, tp: int) -> None:
         widths: dict[str, set[int]] = {}
         for a in colwise:
             widths.setdefault(_attention_of(a.name), set()).add(_out_features(a.module) or 0)
+        copied: set[str] = set()
         for a in colwise:
             out = _out_features(a.module)
             if a.entry.heads or not out or out % kv:
                 continue
             if heads * (out // kv) in widths[_attention_of(a.name)]:
                 a.entry = replace(a.entry, heads=kv)
+                copied.add(_attention_of(a.name))
+        for name in copied & set(assignments):  # a detected plan divides the stored KV count: one copy instead
+            holder = assignments[name]
+            keep = tuple(d for d in holder.entry.divide if d not in KV_COUNTS)
+            holder.entry = replace(holder.entry, divide=keep)
         config = model.config
         head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // heads
         for a in colwise:
@@ -123,10 +130,14 @@ def mark_kv_projections(root: nn.Module, assignments: dict, tp: int) -> None:
                 )
 
 
-def localise_groups(holder: nn.Module, copies: int) -> None:
+def localise_groups(holder: nn.Module, copies: int, tp: int) -> None:
     """The attention holding a copied KV projection sees one local KV head: its stored group size
-    (query heads per KV head) is divided by the number of copies, ``heads / kv`` becoming ``heads / tp``."""
+    (query heads per KV head) is divided by the number of copies, ``heads / kv`` becoming ``heads / tp``,
+    and a stored KV-head count (``tp / copies`` of them) becomes 1."""
     for attr in GROUP_SIZES:
         value = getattr(holder, attr, None)
         if isinstance(value, int) and value % copies == 0:
             setattr(holder, attr, value // copies)
+    for attr in KV_COUNTS:
+        if getattr(holder, attr, None) == tp // copies:
+            setattr(holder, attr, 1)

@@ -144,6 +144,20 @@ def test_kv_projections_are_found_in_the_models_plan_and_in_a_plan_a_user_writes
     assert {a.name: a.entry.heads for a in _resolve(model, 2, written)}["model.layers.0.self_attn.v_proj"] == 1
 
 
+def test_a_plan_detected_from_structure_copies_the_kv_head_instead_of_dividing_its_stored_count():
+    """StableLM carries no plan: detection divides the head counts its attention stores; past its one KV
+    head, ``num_key_value_heads`` is left for the split to set to the one local copy."""
+    import transformers
+
+    config = transformers.StableLmConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=1)
+    model = transformers.StableLmForCausalLM(config)
+    found = {a.name: a.entry for a in _resolve(model, 4)}
+    assert found["model.layers.0.self_attn.k_proj"].heads == 1 and found["model.layers.0.self_attn.q_proj"].heads == 0
+    assert "num_key_value_heads" not in found["model.layers.0.self_attn"].divide
+    assert "num_heads" in found["model.layers.0.self_attn"].divide
+
+
 
 class OneKVHeadLM(L.LightningModule):
     """A user's module around a Hugging Face Llama with 4 query heads over one KV head."""
