@@ -41,11 +41,14 @@ def causal_lm(arch: str, heads: int, kv_heads: int, head_dim: int = 8, layers: i
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),  # q/k/v biases: sliced and summed too
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }[arch]
     torch.manual_seed(0)
+    # mixtral: 2 experts, fewer than the TP ranks too; every expert is split over all of them
+    experts = dict(num_local_experts=2, num_experts_per_tok=1, router_jitter_noise=0.0) if arch == "mixtral" else {}
     config = config_cls(vocab_size=VOCAB, hidden_size=heads * head_dim, intermediate_size=48, head_dim=head_dim,
                         num_attention_heads=heads, num_key_value_heads=kv_heads, num_hidden_layers=layers,
-                        max_position_embeddings=SEQ)
+                        max_position_embeddings=SEQ, **experts)
     return model_cls(config)
 
 
@@ -76,8 +79,8 @@ def _worker(rank, world, arch, heads, kv_heads):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("arch, heads, kv_heads, tp", [("qwen2", 4, 1, 2), ("llama", 4, 2, 4)],
-                         ids=["qwen2_tp2_one_kv_head", "llama_tp4_two_kv_heads"])
+@pytest.mark.parametrize("arch, heads, kv_heads, tp", [("qwen2", 4, 1, 2), ("llama", 4, 2, 4), ("mixtral", 4, 1, 4)],
+                         ids=["qwen2_tp2_one_kv_head", "llama_tp4_two_kv_heads", "mixtral_tp4_one_kv_head_two_experts"])
 def test_tp_past_the_kv_heads_matches_single_process(arch, heads, kv_heads, tp):
     expected_losses = train(single := causal_lm(arch, heads, kv_heads))
     expected = {n: p.detach() for n, p in single.named_parameters()}
