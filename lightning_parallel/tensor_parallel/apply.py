@@ -23,7 +23,7 @@ from .attention import (
 )
 from .attributes import divide_attribute
 from .comm import SEQ_DIM, scatter_to_region
-from .kv_heads import localise_groups
+from .kv_heads import attention_of, localise_groups
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .moe import parallelize_experts, parallelize_identity_expert
 from .random import ShardedDropout, TPRandom, split_region_random
@@ -136,7 +136,7 @@ def apply_plan(
         if style == "colwise":
             copies = a.entry.copies(mesh.tp_size)
             new = _colwise(m, shard, a.entry.fused, a.entry.gather_output, sp, copies)
-            holder = root.get_submodule(a.name.rpartition(".")[0]) if "." in a.name else root
+            holder = root.get_submodule(attention_of(a.name))  # a LoRA layer's parts: the attention around it
             if copies > 1 and id(holder) not in localised:  # the attention sees one local KV head
                 localise_groups(holder, copies, mesh.tp_size)
                 localised.add(id(holder))

@@ -81,7 +81,7 @@ def _layer_of(name: str) -> str:
     return ".".join(parts)
 
 
-def _attention_of(name: str) -> str:
+def attention_of(name: str) -> str:
     """The module holding the projection ``name`` (LoRA parts count as their layer)."""
     return _layer_of(name).rpartition(".")[0]
 
@@ -105,15 +105,15 @@ def mark_kv_projections(root: nn.Module, assignments: dict, tp: int) -> None:
         colwise = [a for a in inside if a.entry.style == "colwise" and a.entry.fused == 1 and not a.entry.gather_output]
         widths: dict[str, set[int]] = {}
         for a in colwise:
-            widths.setdefault(_attention_of(a.name), set()).add(_out_features(a.module) or 0)
+            widths.setdefault(attention_of(a.name), set()).add(_out_features(a.module) or 0)
         copied: set[str] = set()
         for a in colwise:
             out = _out_features(a.module)
             if a.entry.heads or not out or out % kv:
                 continue
-            if heads * (out // kv) in widths[_attention_of(a.name)]:
+            if heads * (out // kv) in widths[attention_of(a.name)]:
                 a.entry = replace(a.entry, heads=kv)
-                copied.add(_attention_of(a.name))
+                copied.add(attention_of(a.name))
         for name in copied & set(assignments):  # a detected plan divides the stored KV count: one copy instead
             holder = assignments[name]
             keep = tuple(d for d in holder.entry.divide if d not in KV_COUNTS)

@@ -164,7 +164,7 @@ def _check(a: Assignment, tp: int, sequence_parallel: bool, vocab_paddable: set[
             if e.heads % tp and tp % e.heads:
                 raise TensorParallelError(
                     f"{name}: tensor_parallel={tp} neither divides its heads={e.heads} nor is a multiple of them; "
-                    f"sizes that fit: {[t for t in range(1, 2 * tp + 1) if e.heads % t == 0 or t % e.heads == 0]}"
+                    f"use a divisor of {e.heads} ({divisors(e.heads)}) or a multiple of it"
                 )
         elif not paddable:
             what = "out_features" + (f" / fused={e.fused}" if e.fused > 1 else "")

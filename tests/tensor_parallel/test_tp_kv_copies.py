@@ -68,10 +68,25 @@ def train(model, mesh=None):
     return losses
 
 
-def _worker(rank, world, arch, heads, kv_heads):
+def with_lora(model):
+    """PEFT LoRA on q/k/v (B starts non-zero, so the adapters count from the first step), under eager
+    attention, which repeats each local KV head by the stored ``num_key_value_groups``."""
+    from peft import LoraConfig, get_peft_model
+
+    model.set_attn_implementation("eager")
+    torch.manual_seed(3)
+    config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "k_proj", "v_proj"])
+    return get_peft_model(model, config)
+
+
+def _worker(rank, world, arch, heads, kv_heads, lora=False):
     model = causal_lm(arch, heads, kv_heads)
+    model = with_lora(model) if lora else model
     losses = train(model, make_mesh(rank, world, tp=world))
-    attention = model.model.layers[0].self_attn
+    attention = model.get_decoder().layers[0].self_attn
+    if lora:
+        return losses, {n: p.numpy() for n, p in full_parameters(model, make_mesh(rank, world, tp=world)).items()}, \
+            {"groups": attention.num_key_value_groups}
     local = {"k_proj": tuple(attention.k_proj.weight.shape), "groups": attention.num_key_value_groups,
              "k_copy": attention.k_proj.weight.detach().clone(), "held": sum(p.numel() for p in model.parameters())}
     full = {n: p.numpy() for n, p in full_parameters(model, make_mesh(rank, world, tp=world)).items()}
@@ -100,6 +115,17 @@ def test_tp_past_the_kv_heads_matches_single_process(arch, heads, kv_heads, tp):
                                                         TPShard(dim=0), kv_head, kv_heads))
         # the ranks sharing a head hold the same bits after training
         assert torch.equal(local["k_copy"], results[kv_head * copies][2]["k_copy"])
+
+
+@pytest.mark.timeout(120)
+def test_lora_adapters_on_copied_kv_projections_match_single_process():
+    expected_losses = train(single := with_lora(causal_lm("qwen2", 4, 1)))
+    expected = {n: p.detach() for n, p in single.named_parameters()}
+    for losses, params, local in run_distributed(_worker, 2, "qwen2", 4, 1, True, timeout=100):
+        assert local["groups"] == 2  # 2 local query heads over the one KV head's copy
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), rtol=0, atol=LOSS_BOUND)
+        for name, p in params.items():
+            assert_param_close(torch.from_numpy(p), expected[name], atol=PARAM_BOUND, name=name)
 
 
 def test_copied_shards_cut_merge_and_save_each_head_once():
