@@ -103,7 +103,9 @@ LOSS_TOL = 1e-5
 PARAM_TOL = 1e-4
 STEPS, BATCH = 3, 4
 MODES = ("tp2", "pp2", "tp4")
-DEVICES = {"tp2": 2, "pp2": 2, "tp4": 4}
+SAMPLE_MODES = ("tp8",)  # 8 processes: run on a sample (--modes tp8 --only/--random), not in the default report
+RUN_MODES = MODES + SAMPLE_MODES
+DEVICES = {"tp2": 2, "pp2": 2, "tp4": 4, "tp8": 8}
 TIMEOUT_S = 300.0  # falcon_h1 (Mamba layers, reference kernels) needs ~85 s at TP=2 on 2 busy cores
 # a spread of styles: fused and split QKV, grouped KV heads, MoE, Conv1D, tied heads, learned
 # positions, parallel blocks, and architectures without a base_model_tp_plan
@@ -209,7 +211,7 @@ def compare(reference: dict, records: list[dict]) -> tuple[str, dict]:
 
 
 def strategy_for(mode: str):
-    if mode in ("tp2", "tp4"):
+    if mode in ("tp2", "tp4", "tp8"):
         return TensorParallelStrategy(tensor_parallel=DEVICES[mode], start_method="fork")
     if mode == "pp2":
         return PipelineParallelStrategy(pipeline_parallel=2, start_method="fork")
@@ -350,7 +352,7 @@ class Running:
 
     def failure(self, timeout: float) -> Optional[str]:
         """The outcome of the current run if it hung (past ``timeout``) or its process died."""
-        one_process = self.current not in MODES
+        one_process = self.current not in RUN_MODES
         if self.proc.is_alive() and time.time() - self.since > timeout:
             return f"fails: no result in {timeout:.0f} s" if one_process else "hang"
         if not self.proc.is_alive() and not self.conn.poll():
@@ -422,15 +424,15 @@ def _drive(queue: list, running: list, results: dict, out: Path, shape: str, job
             if failure is not None:
                 run.kill()
                 entry[run.current] = failure
-                if run.current in MODES:
+                if run.current in RUN_MODES:
                     entry[f"seconds_{run.current}"] = round(time.time() - run.since, 1)
-                run.modes = [m for m in run.modes if m != run.current] if run.current in MODES else []
+                run.modes = [m for m in run.modes if m != run.current] if run.current in RUN_MODES else []
                 save(results, out)
                 if run.modes:
                     queue.insert(0, (run.arch, run.modes))
             if finished or failure is not None:
                 running.remove(run)
-                log(f"{run.arch:28s} {summary_line(entry, [m for m in MODES if m in entry])}")
+                log(f"{run.arch:28s} {summary_line(entry, [m for m in RUN_MODES if m in entry])}")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -438,7 +440,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp/zoo"), help="folder of the results (<shape>.json)")
     parser.add_argument("--doc", type=Path, default=ROOT / "docs" / "zoo.md")
     parser.add_argument("--shape", default="base", choices=sorted(SHAPES))
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(RUN_MODES)}")
     parser.add_argument("--only", help="comma-separated model types")
     parser.add_argument("--sample", action="store_true", help=f"the fixed sample: {', '.join(SAMPLE)}")
     parser.add_argument("--random", type=int, help="N architectures drawn at random (see --seed)")
@@ -450,8 +452,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so run_zoo's clean-up runs
     modes = tuple(args.modes.split(","))
-    if set(modes) - set(MODES):
-        parser.error(f"--modes: one of {', '.join(MODES)}")
+    if set(modes) - set(RUN_MODES):
+        parser.error(f"--modes: one of {', '.join(RUN_MODES)}")
     out = args.out / f"{args.shape}.json"
     if not args.report:
         results = json.loads(out.read_text()) if args.resume and out.exists() else new_results(args.shape, settings())
@@ -468,7 +470,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(f"{len(archs)} architectures at shape {args.shape}, {args.jobs} at a time, results in {out}", flush=True)
         results = run_zoo(archs, out, args.shape, modes, args.jobs, args.timeout, results,
                           log=lambda s: print(s, flush=True))
-        print(totals_text(totals(results, MODES), MODES))
+        shown = MODES + tuple(m for m in SAMPLE_MODES if m in modes)
+        print(totals_text(totals(results, shown), shown))
     if args.report or not (args.only or args.sample):
         every = {shape: json.loads((args.out / f"{shape}.json").read_text())
                  for shape in SHAPES if (args.out / f"{shape}.json").exists()}

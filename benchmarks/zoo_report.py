@@ -75,7 +75,7 @@ def totals_text(t: dict, modes) -> str:
 
 
 def mode_name(mode: str) -> str:
-    return {"tp2": "TP=2", "pp2": "PP=2", "tp4": "TP=4"}.get(mode, mode)
+    return {"tp2": "TP=2", "pp2": "PP=2", "tp4": "TP=4", "tp8": "TP=8"}.get(mode, mode)
 
 
 def cell(text: str) -> str:

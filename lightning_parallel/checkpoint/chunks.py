@@ -47,6 +47,7 @@ def tp_chunks(shape: tuple[int, ...], shard: Optional[TPShard], tp_rank: int, tp
     if shard is None:
         return [Chunk((0,) * len(shape), tuple(shape))]
     dim = shard.dim % len(shape)
+    tp_rank, tp_size = shard.part(tp_rank), shard.parts(tp_size)  # copies of one slice hold the same chunks
     length = shape[dim]
     block = (padded_size(length, tp_size) if shard.full_size is not None else length) // shard.fused
     per_rank = block // tp_size

@@ -80,7 +80,7 @@ def global_shape(local: torch.Size, shard: Optional[TPShard], tp_size: int) -> t
     shape = list(local)
     if shard is not None:
         dim = shard.dim % len(shape)
-        shape[dim] = shard.full_size if shard.full_size is not None else shape[dim] * tp_size
+        shape[dim] = shard.full_size if shard.full_size is not None else shape[dim] * shard.parts(tp_size)
     return tuple(shape)
 
 
@@ -172,6 +172,7 @@ def local_shape(shape: tuple[int, ...], shard: Optional[TPShard], tp_size: int) 
         return tuple(shape)
     local = list(shape)
     dim = shard.dim % len(local)
+    tp_size = shard.parts(tp_size)
     local[dim] = padded_size(local[dim], tp_size) // tp_size if shard.full_size is not None else local[dim] // tp_size
     return tuple(local)
 

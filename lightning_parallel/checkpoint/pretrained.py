@@ -101,6 +101,7 @@ def read_shard(source: SafetensorsTensor, shard: Optional[TPShard], rank: int, s
     if shard is None or size == 1:
         return source.read()
     dim = shard.dim % len(source.shape)
+    rank, size = shard.part(rank), shard.parts(size)  # copies of one KV head: the same part
     length = source.shape[dim]
     padded = padded_size(length, size) if shard.full_size is not None else length
     block = padded // shard.fused

@@ -41,6 +41,7 @@ from torch import nn
 
 from lightning_parallel.errors import LaunchError, LightningParallelError
 
+from .model_line import model_lines
 from .split_run import capture_inputs
 from .verify_split import SplitChecker, Verification, refuse_differences
 
@@ -88,8 +89,10 @@ def place(root: nn.Module, name: str) -> str:
     return f" (in {name}, {type(module).__name__}{inside})"
 
 
-def failure(step: str, error: str, where: Optional[str], tp: int, cp: int, rank: int) -> str:
-    """The refusal of a split whose first ``step`` raised ``error`` on ``rank`` in module ``where``."""
+def failure(step: str, error: str, where: Optional[str], tp: int, cp: int, rank: int,
+            lines: tuple[str, ...] = ()) -> str:
+    """The refusal of a split whose first ``step`` raised ``error`` on ``rank`` in module ``where``, at
+    ``lines`` of model code (``model_line.py``; outermost first)."""
     split = " and ".join(part for part in (
         f"the model's layers are split over tensor_parallel={tp} ranks" if tp > 1 else "",
         f"each sequence is split over context_parallel={cp} ranks" if cp > 1 else "") if part)
@@ -97,8 +100,10 @@ def failure(step: str, error: str, where: Optional[str], tp: int, cp: int, rank:
         leave = (f"give strategy.tp_plan a plan that leaves {re.sub(r'[.][0-9]+(?=[.]|$)', '.*', where)} whole "
                  "(no entry for it or anything inside it)" if where else
                  "give strategy.tp_plan a plan that leaves the failing layers whole")
-        fix = (f"The plan's sizes fit, so the cause is likely code in that forward that uses a sharded layer's "
-               f"output as if it were whole (a hard-coded width, a layer rebuilt in forward). To train this model, "
+        code = (f"the model code that fails: {' -> '.join(lines)}, which reads a split width as if it were whole"
+                if lines else "code in that forward that uses a sharded layer's output as if it were whole")
+        fix = (f"The plan's sizes fit, so the cause is likely {code} (a hard-coded width, a layer built over every "
+               f"head's features, a layer rebuilt in forward). To train this model, "
                f"{leave}, or train with data parallelism (tensor_parallel=1).")
     else:
         fix = "To train this model, train without context parallelism (context_parallel=1)."
@@ -141,7 +146,8 @@ class FirstStepCheck:
                 raise
             where = running.stack[-1] if running.stack else ""
             text = f"{type(err).__name__}: {_one_line(str(err))}" + place(self.module, where)
-            raise LaunchError(failure(step, text, where, self.tp, self.cp, dist.get_rank())) from err
+            lines = tuple(model_lines(err))
+            raise LaunchError(failure(step, text, where, self.tp, self.cp, dist.get_rank(), lines)) from err
         finally:
             running.remove()
         if self.checker is not None:

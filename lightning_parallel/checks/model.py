@@ -181,15 +181,20 @@ def _tp_refusal(model: nn.Module, mesh: ParallelMesh, options: ParallelOptions, 
     heads", not the width of a Linear), with the TP sizes it allows and the largest of them the world fits."""
     tp, plan, sequence_parallel = mesh.tp_size, options.tp_plan, options.sequence_parallel
     counts = head_counts(model)
-    undivided = [(n, what) for n, what in counts if n % tp]
+    # KV heads fewer than the TP ranks are copied (tensor_parallel/kv_heads.py): a multiple of them fits too
+    fits_kv = lambda n, what, t: what.startswith("KV") and t % n == 0  # noqa: E731
+    undivided = [(n, what) for n, what in counts if n % tp and not fits_kv(n, what, tp)]
     # the sizes that split the model: divisors of its heads where it states them, else of the world
-    candidates = divisors(min(n for n, _ in counts)) if counts else [t for t in divisors(mesh.world_size) if t < tp]
+    candidates = ([t for t in divisors(max(n for n, _ in counts))
+                   if all(n % t == 0 or fits_kv(n, what, t) for n, what in counts)]
+                  if counts else [t for t in divisors(mesh.world_size) if t < tp])
     allowed = [t for t in candidates if t == 1 and plan is None or _tp_fits(model, t, plan, sequence_parallel)]
     if not allowed:  # a plan that fits no size (a glob that names no module, an unknown style) has its own fix
         return LaunchError(str(err))
     if undivided:
         n, what = undivided[0]
-        problem = (f"tensor_parallel={tp} does not divide the {n} {what}: each TP rank computes whole heads. "
+        copied = " (or, for KV heads, a multiple of them: each rank then copies one)" if what.startswith("KV") else ""
+        problem = (f"tensor_parallel={tp} does not divide the {n} {what}{copied}: each TP rank computes whole heads. "
                    f"TP sizes this model allows: {allowed}")
     else:
         problem = f"{err}\nTP sizes this model and world allow: {allowed}"

@@ -25,6 +25,7 @@ from lightning_parallel.errors import Fix, LaunchError
 from lightning_parallel.mesh import local_part
 from lightning_parallel.pipeline.partition import StagePlan
 from lightning_parallel.planner.estimate import (
+    held_elements,
     parameters_per_rank,
     tp_sharded_parameters,
 )
@@ -63,7 +64,7 @@ def planned_share(model: nn.Module, assignments: list, tp: int, stages: Optional
     sharded = tp_sharded_parameters(assignments)
     whole = sum(p.numel() for p in model.parameters())
     if stages is None:
-        held = [sum(-(-p.numel() // tp) if id(p) in sharded else p.numel() for p in model.parameters())]
+        held = [sum(held_elements(p, sharded, tp) for p in model.parameters())]
     else:
         held = parameters_per_rank(model, stages, sharded, tp)
     rank = max(range(len(held)), key=held.__getitem__)

@@ -126,7 +126,7 @@ class RankMemory:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
 
 
-def parameters_per_rank(model: nn.Module, stages: StagePlan, tp_sharded: set[int], tp: int) -> list[int]:
+def parameters_per_rank(model: nn.Module, stages: StagePlan, tp_sharded: dict[int, int], tp: int) -> list[int]:
     """Parameter elements each pipeline rank holds on one device; ``tp_sharded`` are ids of
     parameters divided across the TP group."""
     held: list[dict[int, nn.Parameter]] = [{} for _ in range(stages.ranks)]
@@ -139,15 +139,25 @@ def parameters_per_rank(model: nn.Module, stages: StagePlan, tp_sharded: set[int
         if id(p) not in owned:
             for rank_params in held:
                 rank_params[id(p)] = p
-    return [sum(p.numel() // tp if i in tp_sharded else p.numel() for i, p in h.items()) for h in held]
+    return [sum(held_elements(p, tp_sharded, tp) for p in h.values()) for h in held]
 
 
-def tp_sharded_parameters(assignments) -> set[int]:
+def held_elements(p: nn.Parameter, tp_sharded, tp: int) -> int:
+    """Elements of ``p`` one TP rank holds: its ``1 / tp`` when the plan shards it (``1 / heads`` for a
+    key/value projection over ``heads < tp`` heads, whose copies several ranks hold), else all of them."""
+    if id(p) not in tp_sharded:
+        return p.numel()
+    heads = tp_sharded[id(p)] if isinstance(tp_sharded, dict) else 0
+    return -(-p.numel() // (min(tp, heads) if heads else tp))
+
+
+def tp_sharded_parameters(assignments) -> dict[int, int]:
     """Ids of the parameters a TP plan's assignments shard, as ``tensor_parallel/apply.py`` shards them:
     a colwise layer's weight and bias, a rowwise layer's weight, an embedding's rows, a whole attention's
     projections but its output bias, every expert's weights, the ``params`` of ``local_params`` and
-    ``all_reduce`` modules. Works on a model built on the meta device."""
-    ids: set[int] = set()
+    ``all_reduce`` modules. Works on a model built on the meta device. Each id maps to the heads of a
+    colwise entry that states them (``PlanEntry.heads``, copied past that many TP ranks), else 0."""
+    ids: dict[int, int] = {}
     for a in assignments:
         m, style = a.module, a.entry.style
         if style == "colwise":
@@ -164,14 +174,14 @@ def tp_sharded_parameters(assignments) -> set[int]:
         else:
             names = []
         params = dict(m.named_parameters())
-        ids.update(id(params[n]) for n in names if params.get(n) is not None)
+        ids.update({id(params[n]): a.entry.heads for n in names if params.get(n) is not None})
     return ids
 
 
 def estimate_memory(
     model: nn.Module,
     stages: StagePlan,
-    tp_sharded: set[int],
+    tp_sharded: dict[int, int],
     tp: int,
     seq: int,
     micro_batch: int,
@@ -228,11 +238,11 @@ def estimate_memory(
     return result
 
 
-def _block_elements(model: nn.Module, stages: StagePlan, blocks: tuple[int, ...], tp_sharded: set[int],
+def _block_elements(model: nn.Module, stages: StagePlan, blocks: tuple[int, ...], tp_sharded: dict[int, int],
                     tp: int) -> list[int]:
     """Parameter elements of each of ``blocks`` on one device (TP-sharded weights divided by ``tp``)."""
     layers = model.get_submodule(stages.blocks_path)
-    return [sum(p.numel() // tp if id(p) in tp_sharded else p.numel() for p in layers[i].parameters()) for i in blocks]
+    return [sum(held_elements(p, tp_sharded, tp) for p in layers[i].parameters()) for i in blocks]
 
 
 def _zero_peak(n: int, blocks: list[int], stage: int, dp: int, pipelined: bool, p_bytes: int, g_bytes: int,

@@ -47,8 +47,11 @@ def global_grad_norm(
     for p in params:
         if p.grad is None or not counted_once(p):
             continue
-        if getattr(p, "tp_shard", None) is None and mesh.tp_size > 1 and mesh.tp_rank != 0:
+        shard = getattr(p, "tp_shard", None)
+        if shard is None and mesh.tp_size > 1 and mesh.tp_rank != 0:
             continue  # replicated over TP: TP rank 0 counts it
+        if shard is not None and mesh.tp_rank % shard.replicas:
+            continue  # a copy of a KV head another TP rank also holds: the first of them counts it
         sums[int(hasattr(p, "expert_shard"))] += local_part(p.grad).detach().float().pow(2).sum()
     if mesh.tp_size > 1:
         dist.all_reduce(sums, group=mesh.tp_group)

@@ -23,6 +23,7 @@ from .attention import (
 )
 from .attributes import divide_attribute
 from .comm import SEQ_DIM, scatter_to_region
+from .kv_heads import attention_of, localise_groups
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .moe import parallelize_experts, parallelize_identity_expert
 from .random import ShardedDropout, TPRandom, split_region_random
@@ -45,7 +46,7 @@ class _Sharder:
         if id(param) in self.done:
             return self.done[id(param)]
         dim = shard.dim % param.dim()
-        if shard.fused == 1 and param.shape[dim] % self.mesh.tp_size:
+        if shard.fused == 1 and param.shape[dim] % shard.parts(self.mesh.tp_size):
             shard = TPShard(dim=shard.dim, full_size=param.shape[dim])  # pad, remember the true size
         new = nn.Parameter(
             slice_shard(param.detach(), shard, self.mesh.tp_rank, self.mesh.tp_size), requires_grad=param.requires_grad
@@ -55,12 +56,13 @@ class _Sharder:
         return new
 
 
-def _colwise(m: nn.Module, shard: _Sharder, fused: int, gather_output: bool, sp: bool) -> ColumnParallelLinear:
+def _colwise(m: nn.Module, shard: _Sharder, fused: int, gather_output: bool, sp: bool,
+             copies: int = 1) -> ColumnParallelLinear:
     t = is_conv1d(m)  # weight (in, out): the output features are dim 1
     in_features, out_features = linear_features(m)
-    weight = shard(m.weight, TPShard(dim=1 if t else 0, fused=fused))
-    bias = shard(m.bias, TPShard(dim=0, fused=fused))
-    return ColumnParallelLinear(weight, bias, shard.mesh.tp_group, out_features, gather_output, sp, t)
+    weight = shard(m.weight, TPShard(dim=1 if t else 0, fused=fused, replicas=copies))
+    bias = shard(m.bias, TPShard(dim=0, fused=fused, replicas=copies))
+    return ColumnParallelLinear(weight, bias, shard.mesh.tp_group, out_features, gather_output, sp, t, copies)
 
 
 def _rowwise(m: nn.Module, shard: _Sharder, sp: bool, fused: int = 1, split_input: bool = False) -> RowParallelLinear:
@@ -126,12 +128,18 @@ def apply_plan(
     sp = sequence_parallel
     entry_modules: list[nn.Module] = []
     grads_summed: list[nn.Module] = []  # replicated modules whose gradients autograd already sums over TP
+    localised: set[int] = set()  # attentions whose KV group size was set for copied KV heads
     for a in assignments:
         m, style = a.module, a.entry.style
         for attr in a.entry.divide:
             divide_attribute(m, attr, mesh.tp_size)
         if style == "colwise":
-            new = _colwise(m, shard, a.entry.fused, a.entry.gather_output, sp)
+            copies = a.entry.copies(mesh.tp_size)
+            new = _colwise(m, shard, a.entry.fused, a.entry.gather_output, sp, copies)
+            holder = root.get_submodule(attention_of(a.name))  # a LoRA layer's parts: the attention around it
+            if copies > 1 and id(holder) not in localised:  # the attention sees one local KV head
+                localise_groups(holder, copies, mesh.tp_size)
+                localised.add(id(holder))
         elif style == "rowwise":
             new = _rowwise(m, shard, sp, a.entry.fused, a.entry.split_input)
         elif style == "replicated_grad_sum":

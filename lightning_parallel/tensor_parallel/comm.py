@@ -142,6 +142,36 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
         return _all_gather(grad, SEQ_DIM, ctx.group), None
 
 
+class _SumOverCopies(torch.autograd.Function):
+    """Identity forward; backward, the gradient summed over the ranks that hold the same copy.
+
+    The TP group's ranks ``[k * copies, (k + 1) * copies)`` hold copy ``k`` (a KV head shared by
+    their query heads, ``kv_heads.py``); each computes the gradient of its own query heads only, so
+    the copy's full gradient is their sum. One all-reduce over the whole TP group of a buffer with
+    one slot per copy, each rank writing its slot, sums every group of copies at once without a
+    process group per copy (adding exact zeros leaves each sum unchanged), and gives every member
+    of a group the same bits, so the copies stay identical.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, copies):
+        ctx.group, ctx.copies = group, copies
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        slots = dist.get_world_size(ctx.group) // ctx.copies
+        mine = dist.get_rank(ctx.group) // ctx.copies
+        buffer = torch.zeros((slots, *grad.shape), dtype=grad.dtype, device=grad.device)
+        buffer[mine] = grad
+        dist.all_reduce(buffer, group=ctx.group)
+        return buffer[mine], None, None
+
+
+def sum_over_copies(x: torch.Tensor, group, copies: int) -> torch.Tensor:
+    return _SumOverCopies.apply(x, group, copies) if copies > 1 else x
+
+
 def copy_to_region(x: torch.Tensor, group) -> torch.Tensor:
     return _CopyToRegion.apply(x, group)
 

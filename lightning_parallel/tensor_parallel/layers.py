@@ -24,6 +24,7 @@ from .comm import (
     reduce_from_region,
     reduce_scatter_to_sequence_region,
     scatter_to_region,
+    sum_over_copies,
 )
 
 
@@ -33,7 +34,9 @@ class ColumnParallelLinear(nn.Module):
     The input is replicated (or, with sequence parallelism, a sequence shard that is gathered);
     the output is this rank's slice of the features, or the full features when ``gather_output``
     (trimmed to ``out_features`` when the rows were padded). ``transposed``: the weight is stored
-    ``(in, out)``, as in Hugging Face's ``Conv1D`` (GPT-2), and keeps that layout.
+    ``(in, out)``, as in Hugging Face's ``Conv1D`` (GPT-2), and keeps that layout. ``copies``: that
+    many consecutive TP ranks hold the same rows (a key or value head shared by their query heads,
+    ``kv_heads.py``), whose weight and bias gradients are summed over those ranks.
     """
 
     def __init__(
@@ -45,9 +48,10 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         sequence_parallel: bool = False,
         transposed: bool = False,
+        copies: int = 1,
     ) -> None:
         super().__init__()
-        self.weight = weight  # (out / tp, in), or (in, out / tp) when transposed
+        self.weight = weight  # (out / tp, in), or (in, out / tp) when transposed; out * copies / tp with copies
         self.bias = bias  # (out / tp,) or None
         self.group = group
         self.transposed = transposed
@@ -55,14 +59,19 @@ class ColumnParallelLinear(nn.Module):
         self.out_features = out_features
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
+        self.copies = copies
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             x = gather_from_sequence_region(x, self.group)  # (b, s/tp, in) -> (b, s, in)
         else:
             x = copy_to_region(x, self.group)  # f: identity, all-reduce in backward
-        weight = self.weight.t() if self.transposed else self.weight
-        y = F.linear(x, weight, self.bias)  # (b, s, in) @ (in, out/tp) = (b, s, out/tp)
+        weight, bias = self.weight, self.bias
+        if self.copies > 1:  # identity forward; the copies' gradients summed in backward
+            weight = sum_over_copies(weight, self.group, self.copies)
+            bias = None if bias is None else sum_over_copies(bias, self.group, self.copies)
+        weight = weight.t() if self.transposed else weight
+        y = F.linear(x, weight, bias)  # (b, s, in) @ (in, out/tp) = (b, s, out/tp)
         if self.gather_output:
             y = gather_from_region(y, self.group)  # (b, s, out) (padded)
             if y.shape[-1] != self.out_features:
@@ -73,7 +82,7 @@ class ColumnParallelLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"local_out={self.weight.shape[1 if self.transposed else 0]}, gather_output={self.gather_output}, "
-            f"sequence_parallel={self.sequence_parallel}"
+            f"sequence_parallel={self.sequence_parallel}" + (f", copies={self.copies}" if self.copies > 1 else "")
         )
 
 

@@ -6,7 +6,10 @@ matched against names relative to the module given to ``parallelize``) to a styl
 ``colwise``   ``nn.Linear`` (or HF ``Conv1D``) split by output features; options ``fused: n``
               (the output holds n equal blocks, e.g. 3 for a fused QKV, each split separately)
               and ``gather_output: true`` (all-gather the output, for a head whose logits the
-              user's loss reads).
+              user's loss reads) and ``heads: n`` (the output holds n whole heads: a key or value
+              projection; when the TP size is a multiple of n above it, each rank keeps a copy of
+              the head its query heads attend to, ``kv_heads.py``; filled in for Hugging Face
+              models from their config).
 ``rowwise``   ``nn.Linear`` (or HF ``Conv1D``) split by input features; its input must come from
               a colwise layer, or with ``split_input: true`` from a replicated activation (each
               rank keeps its slice); ``fused: n`` as for colwise, on the input features.
@@ -136,6 +139,12 @@ class PlanEntry:
     divide: tuple[str, ...] = ()
     split_input: bool = False
     params: tuple[tuple[str, int], ...] = ()  # (own parameter, dim it is split along)
+    heads: int = 0  # colwise: whole heads in the output (0: not stated); copied when TP exceeds them
+
+    def copies(self, tp: int) -> int:
+        """How many TP ranks hold each slice: ``tp / heads`` for a colwise layer over fewer heads than
+        TP ranks, else 1."""
+        return tp // self.heads if self.heads and tp > self.heads else 1
 
     def describe(self) -> str:
         parts = [self.style or "attributes"]
@@ -149,6 +158,8 @@ class PlanEntry:
             parts.append("divide " + ",".join(self.divide))
         if self.params:
             parts.append("params " + ",".join(f"{n}:{d}" for n, d in self.params))
+        if self.heads:
+            parts.append(f"heads={self.heads}")
         return " ".join(parts)
 
 
@@ -157,18 +168,18 @@ Plan = dict[str, PlanEntry]
 
 def parse_plan(raw: Mapping) -> Plan:
     """A plan from plain data: ``{glob: style}`` or
-    ``{glob: {style:, fused:, gather_output:, split_input:, divide:, params:}}``."""
+    ``{glob: {style:, fused:, gather_output:, split_input:, divide:, params:, heads:}}``."""
     plan: Plan = {}
     for glob, value in raw.items():
         if isinstance(value, str):
             value = {"style": value}
         if not isinstance(value, Mapping):
             raise TensorParallelError(f"tp_plan[{glob!r}] must be a style name or a mapping, got {value!r}")
-        unknown = set(value) - {"style", "fused", "gather_output", "split_input", "divide", "params"}
+        unknown = set(value) - {"style", "fused", "gather_output", "split_input", "divide", "params", "heads"}
         if unknown:
             raise TensorParallelError(
                 f"tp_plan[{glob!r}] has unknown keys {sorted(unknown)}; "
-                "allowed: style, fused, gather_output, split_input, divide, params"
+                "allowed: style, fused, gather_output, split_input, divide, params, heads"
             )
         style = value.get("style")
         if style is not None and style not in STYLES:
@@ -187,6 +198,13 @@ def parse_plan(raw: Mapping) -> Plan:
                 f"tp_plan[{glob!r}]: params must be a mapping {{parameter: dim}} and needs style "
                 f"{' or '.join(PARAM_OWNER_STYLES)}"
             )
+        heads = value.get("heads", 0)
+        if heads and (style != "colwise" or fused > 1 or value.get("gather_output") or not isinstance(heads, int)
+                      or heads < 1):
+            raise TensorParallelError(
+                f"tp_plan[{glob!r}]: heads={heads!r} needs style colwise without fused or gather_output, "
+                "and a positive number of heads"
+            )
         plan[str(glob)] = PlanEntry(
             style,
             fused,
@@ -194,5 +212,6 @@ def parse_plan(raw: Mapping) -> Plan:
             tuple(value.get("divide", ())),
             split_input,
             tuple((str(n), int(d)) for n, d in params.items()),
+            heads,
         )
     return plan

@@ -16,6 +16,7 @@ from torch import nn
 from lightning_parallel.compat import packed_in_projection
 
 from .attributes import read_attribute
+from .kv_heads import check_kv_split, kv_head_counts, mark_kv_projections
 from .lora import route_lora
 from .moe import check_experts
 from .names import block_glob, did_you_mean, glob_matches
@@ -157,7 +158,15 @@ def _check(a: Assignment, tp: int, sequence_parallel: bool, vocab_paddable: set[
         paddable = e.fused == 1 and (e.gather_output or id(m.weight) in vocab_paddable)
         if out_features % e.fused:
             raise TensorParallelError(f"{name}: out_features={out_features} is not a multiple of fused={e.fused}")
-        if not paddable:
+        if e.heads:
+            if out_features % e.heads:
+                raise TensorParallelError(f"{name}: out_features={out_features} is not {e.heads} whole heads (heads)")
+            if e.heads % tp and tp % e.heads:
+                raise TensorParallelError(
+                    f"{name}: tensor_parallel={tp} neither divides its heads={e.heads} nor is a multiple of them; "
+                    f"use a divisor of {e.heads} ({divisors(e.heads)}) or a multiple of it"
+                )
+        elif not paddable:
             what = "out_features" + (f" / fused={e.fused}" if e.fused > 1 else "")
             _require_divisible(what, out_features // e.fused, tp, name)
     if e.style == "rowwise":
@@ -184,14 +193,18 @@ def _check(a: Assignment, tp: int, sequence_parallel: bool, vocab_paddable: set[
 
 
 def _check_hf_heads(root: nn.Module, tp: int) -> None:
-    """Head counts of Hugging Face models: q/k/v are colwise-sharded Linears, so whole heads must split."""
+    """Head counts of Hugging Face models: q/k/v are colwise-sharded Linears, so whole query heads must
+    split; KV heads either split or, fewer than the TP ranks, are copied (``kv_heads.py``)."""
     for name, module in root.named_modules():
         config = getattr(module, "config", None)
         if not hasattr(module, "base_model_prefix") or config is None:
             continue
+        grouped = kv_head_counts(module)
         for attr in ("num_attention_heads", "num_key_value_heads"):
             value = getattr(config, attr, None)
-            if isinstance(value, int):
+            if attr == "num_key_value_heads" and grouped is not None:
+                check_kv_split(name or type(module).__name__, *grouped, tp)
+            elif isinstance(value, int):
                 _require_divisible(f"config.{attr}", value, tp, name or type(module).__name__)
 
 
@@ -220,6 +233,7 @@ def resolve_plan(root: nn.Module, plan: Plan, tp: int, sequence_parallel: bool) 
             raise TensorParallelError(
                 f"{a.name} lies inside {outer}, which style 'attention' already shards whole; drop {a.glob!r}"
             )
+    mark_kv_projections(root, assignments, tp)
     vocab_weights = {id(a.module.weight) for a in assignments.values() if a.entry.style == "vocab"}
     for a in assignments.values():
         _check(a, tp, sequence_parallel, vocab_weights)

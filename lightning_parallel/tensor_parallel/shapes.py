@@ -140,7 +140,7 @@ _ROLE_WORDS = {"q": {"q", "query", "wq"}, "k": {"k", "key", "wk"}, "v": {"v", "v
 _OUT_WORDS = {"o", "out", "output", "dense", "wo", "proj"}
 
 
-def _role(name: str) -> Optional[str]:
+def projection_role(name: str) -> Optional[str]:
     words = set(re.split(r"[^a-z]+", name.lower())) - {""}
     for role, keys in _ROLE_WORDS.items():
         if words & keys:
@@ -241,7 +241,7 @@ def find_split_attention(module: nn.Module) -> Optional[SplitAttention]:
         linears = _linears(holder)
         by_role: dict[str, list[str]] = {}
         for n in linears:
-            by_role.setdefault(_role(n), []).append(n)
+            by_role.setdefault(projection_role(n), []).append(n)
         if any(len(by_role.get(r, [])) != 1 for r in "qkv"):
             continue
         q, k, v = (by_role[r][0] for r in "qkv")
@@ -254,7 +254,7 @@ def find_split_attention(module: nn.Module) -> Optional[SplitAttention]:
             for sibling, child in module.named_children():
                 if sibling != holder_name and as_linear(child) is None:
                     outs += [join_name(sibling, n) for n, lin in _linears(child).items()
-                             if _in_out(lin) == shape and _role(n) == "out"]
+                             if _in_out(lin) == shape and projection_role(n) == "out"]
         if len(outs) != 1:
             continue
         divide, doubt = _head_attributes(holder, linears[q].out_features, linears[k].out_features)

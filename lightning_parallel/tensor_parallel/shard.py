@@ -3,7 +3,10 @@
 A sharded parameter carries ``param.tp_shard = TPShard(...)``: the dimension it is split along,
 how many fused blocks that dimension holds (a QKV projection stores ``[q; k; v]``, so each rank
 keeps its slice of every block, Megatron's ``stride``), and, for a vocabulary padded to a multiple
-of the TP size, the unpadded length. That is enough to rebuild the full tensor on any TP size.
+of the TP size, the unpadded length, and how many consecutive TP ranks hold the same slice (the key
+and value projections of an attention with fewer KV heads than TP ranks: each rank keeps a copy
+of the one KV head its query heads attend to, as vLLM's ``num_kv_head_replicas``). That is enough
+to rebuild the full tensor on any TP size.
 The slicing is pure; ``gather_full_tensor``/``shard_tensor`` add the process group.
 """
 
@@ -24,11 +27,22 @@ class TPShard:
     dim: the dimension split across TP ranks.
     fused: number of equal blocks along ``dim`` that are split separately (3 for fused QKV).
     full_size: length of ``dim`` before padding to a multiple of the TP size (None: no padding).
+    replicas: consecutive TP ranks that hold the same slice; the tensor is cut into
+        ``tp_size / replicas`` parts and rank r holds part ``r // replicas``.
     """
 
     dim: int
     fused: int = 1
     full_size: Optional[int] = None
+    replicas: int = 1
+
+    def parts(self, tp_size: int) -> int:
+        """How many distinct slices the TP group holds."""
+        return tp_size // self.replicas
+
+    def part(self, rank: int) -> int:
+        """Which slice TP rank ``rank`` holds."""
+        return rank // self.replicas
 
 
 def padded_size(size: int, tp_size: int) -> int:
@@ -39,6 +53,7 @@ def padded_size(size: int, tp_size: int) -> int:
 def slice_shard(full: torch.Tensor, shard: TPShard, rank: int, tp_size: int) -> torch.Tensor:
     """Rank ``rank``'s shard of ``full`` (a copy, so the full tensor can be freed)."""
     dim = shard.dim % full.dim()
+    rank, tp_size = shard.part(rank), shard.parts(tp_size)
     if shard.full_size is not None:
         pad = padded_size(full.shape[dim], tp_size) - full.shape[dim]
         widths = [0, 0] * (full.dim() - dim - 1) + [0, pad]
@@ -48,7 +63,9 @@ def slice_shard(full: torch.Tensor, shard: TPShard, rank: int, tp_size: int) -> 
 
 
 def merge_shards(shards: list[torch.Tensor], shard: TPShard) -> torch.Tensor:
-    """Inverse of ``slice_shard``: the full tensor from every rank's shard (rank order)."""
+    """Inverse of ``slice_shard``: the full tensor from every rank's shard (rank order); of the
+    ranks that hold copies of one slice, the first is read."""
+    shards = shards[:: shard.replicas]
     dim = shard.dim % shards[0].dim()
     per_rank = [s.chunk(shard.fused, dim=dim) for s in shards]
     full = torch.cat([torch.cat([p[b] for p in per_rank], dim=dim) for b in range(shard.fused)], dim=dim)

@@ -86,9 +86,9 @@ def tiny_gpt(**overrides) -> GPT:
 
 def train(out: Path, devices: int = 1, tp: int = 1, pp: int = 1, steps: int = STEPS, ckpt_path=None,
           save_to: Path | None = None, checkpoint: ModelCheckpoint | None = None, plugins: list | None = None,
-          **strategy_args) -> list[dict]:
-    """Fit the tiny GPT to ``steps``; with ``save_to``, a ModelCheckpoint keeps the latest step there
-    (``checkpoint`` replaces that callback); ``plugins`` go to the Trainer."""
+          build=None, **strategy_args) -> list[dict]:
+    """Fit the tiny GPT (or ``build()``) to ``steps``; with ``save_to``, a ModelCheckpoint keeps the latest
+    step there (``checkpoint`` replaces that callback); ``plugins`` go to the Trainer."""
     strategy = "auto" if devices == 1 else ParallelStrategy(
         tensor_parallel=tp, pipeline_parallel=pp, start_method="fork", timeout=60, **strategy_args
     )
@@ -103,7 +103,7 @@ def train(out: Path, devices: int = 1, tp: int = 1, pp: int = 1, steps: int = ST
         enable_checkpointing=checkpoint is not None, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, callbacks=callbacks, default_root_dir=str(out), plugins=plugins,
     )
-    trainer.fit(tiny_gpt(), datamodule=StepData(), ckpt_path=ckpt_path)
+    trainer.fit((build or tiny_gpt)(), datamodule=StepData(), ckpt_path=ckpt_path)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)]
 
 

@@ -37,10 +37,10 @@ SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atte
              vocab_size=VOCAB, max_position_embeddings=SEQ)
 
 
-def llama(tie: bool):
+def llama(tie: bool, kv_heads: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(**SMALL, tie_word_embeddings=tie))
+    return LlamaForCausalLM(LlamaConfig(**{**SMALL, "num_key_value_heads": kv_heads}, tie_word_embeddings=tie))
 
 
 def gpt2():
@@ -60,9 +60,11 @@ def mixtral():
     return MixtralForCausalLM(config)
 
 
-MODELS = {"llama_tied": lambda: llama(True), "llama": lambda: llama(False), "gpt2": gpt2, "mixtral": mixtral}
+MODELS = {"llama_tied": lambda: llama(True), "llama": lambda: llama(False), "gpt2": gpt2, "mixtral": mixtral,
+          "llama_one_kv_head": lambda: llama(False, kv_heads=1)}  # on TP2 each rank holds a copy of the KV head
 LORA = {"llama": dict(target_modules=["q_proj", "v_proj", "o_proj", "down_proj"], modules_to_save=["lm_head"]),
         "llama_tied": dict(target_modules=["q_proj", "v_proj"]),
+        "llama_one_kv_head": dict(target_modules=["q_proj", "k_proj", "v_proj"]),
         "gpt2": dict(target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)}
 
 
@@ -183,7 +185,8 @@ LAYOUTS = {"tp2": dict(devices=2, tensor_parallel=2), "pp2": dict(devices=2, pip
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("layout, model", [("tp2", "gpt2"), ("pp2", "llama_tied"), ("tp2pp2", "mixtral")])
+@pytest.mark.parametrize("layout, model", [("tp2", "gpt2"), ("pp2", "llama_tied"), ("tp2pp2", "mixtral"),
+                                           ("tp2", "llama_one_kv_head")])
 def test_split_checkpoint_exports_the_trained_weights_as_save_pretrained_does(tmp_path, layout, model):
     folder = pretrained(tmp_path / "pretrained", model)
     checkpoint = fit(tmp_path / "ckpt", folder, None, **LAYOUTS[layout])
@@ -192,7 +195,8 @@ def test_split_checkpoint_exports_the_trained_weights_as_save_pretrained_does(tm
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("layout, model", [("tp2", "llama"), ("pp2", "gpt2"), ("tp2pp2", "llama_tied")])
+@pytest.mark.parametrize("layout, model", [("tp2", "llama"), ("pp2", "gpt2"), ("tp2pp2", "llama_tied"),
+                                           ("tp2", "llama_one_kv_head")])
 def test_split_lora_checkpoint_exports_peft_adapter_folder_and_merged_model(tmp_path, layout, model):
     folder = pretrained(tmp_path / "pretrained", model)
     checkpoint = fit(tmp_path / "ckpt", folder, LORA[model], **LAYOUTS[layout])

@@ -83,6 +83,9 @@ def test_forward_that_fails_after_sharding_is_refused_in_the_first_step(tmp_path
         assert f"on rank {rank}: RuntimeError: shape" in text.splitlines()[0]
         assert "(in body, HardCodedWidth; sharded inside it: up colwise, down rowwise)" in text
         assert "leaves body whole" in text and "tensor_parallel=1" in text
+        # the model's own line that reads the full width, not a frame of torch or of the strategy
+        assert "the model code that fails: test_first_step.py:" in text
+        assert "`h = h.view(*h.shape[:-1], 4, 16).relu().flatten(-2)`, which reads a split width" in text
 
 
 @pytest.mark.timeout(90)

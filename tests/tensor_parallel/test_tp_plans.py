@@ -134,9 +134,15 @@ def test_head_count_not_divisible_names_the_module_and_valid_sizes():
     assert "transformer.h.0.attn" in message and "[1, 2, 4]" in message
 
 
-def test_kv_heads_not_divisible_fails_at_setup_not_mid_forward():
-    message = _error(TinyLlama(), tp=4)
-    assert "num_key_value_heads = 2" in message and "[1, 2]" in message
+def test_kv_heads_neither_divided_nor_copied_fails_at_setup_not_mid_forward():
+    """12 query heads over 4 KV heads: TP 6 splits the query heads but neither divides the KV heads nor is
+    a multiple of them (which would give each rank a copy of one)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=48, intermediate_size=64, num_attention_heads=12,
+                                         num_key_value_heads=4, num_hidden_layers=1, vocab_size=64))
+    message = _error(model, tp=6)
+    assert "neither divides its 4 KV heads" in message and "[1, 2, 4, 12]" in message
 
 
 def test_ffn_size_not_divisible_names_the_sizes_that_work():
