@@ -186,12 +186,14 @@ def estimate_memory(
     in_flight: list[int] | None = None,
     context_parallel: int = 1,
     zero_shard_size: int | None = None,
+    profile=None,
 ) -> list[RankMemory]:
     """Memory per device of every pipeline rank (see the module docstring for what is counted).
 
     ``params`` (``parameters_per_rank``) and ``in_flight`` (the simulator's peak micro-batches per
     rank) may be given by a caller that estimates many layouts of one split. ``zero_shard_size``: the
-    replicas ZeRO-2/3 shard over (HSDP), None for all ``dp`` of them.
+    replicas ZeRO-2/3 shard over (HSDP), None for all ``dp`` of them. ``profile``: the model's costs per
+    sample (``profile.model_profile``; by default from its named sizes or parameters alone).
     """
     p_bytes, g_bytes, o_bytes, a_bytes = precision_bytes(precision)
     if params is None:
@@ -199,27 +201,32 @@ def estimate_memory(
     pp, virtual = stages.ranks, stages.num_stages // stages.ranks
     if in_flight is None:
         in_flight = [1] if pp == 1 else simulate(all_ranks(schedule, pp, micro_batches, virtual)).peak_in_flight
-    dims = transformer_dims(model)
+    if profile is None:
+        from lightning_parallel.planner.profile import model_profile
+
+        profile = model_profile(model, seq)
+    scale = profile.scale(a_bytes) * micro_batch / context_parallel
+    head_sharded = any(id(p) in tp_sharded for n in stages.post for p in model.get_submodule(n).parameters())
     shards = zero_shard_size if zero_stage >= 2 and zero_shard_size else dp  # the replicas ZeRO-2/3 shard over
     optimizer_shards = shards if zero_stage else 1
     result = []
     for rank in range(pp):
         rank_stages = stages.stages_of_rank(rank)
         blocks = tuple(i for s in rank_stages for i in stages.stage_blocks[s])
-        act = 0.0
-        if dims is not None:
-            # each in-flight unit is one (virtual) stage's blocks for one micro-batch
-            deepest = max(len(stages.stage_blocks[s]) for s in rank_stages)
-            per_layer = (layer_activation_bytes(dims, seq, micro_batch, tp, sequence_parallel, a_bytes)
-                         / context_parallel)
-            if recompute:
-                layer_input = (seq * micro_batch * dims.hidden * a_bytes / (tp if sequence_parallel else 1)
-                               / context_parallel)
-                act = in_flight[rank] * deepest * layer_input + per_layer
-            else:
-                act = in_flight[rank] * deepest * per_layer
-            if rank == stages.rank_of_stage(stages.num_stages - 1):
-                act += 8 * seq * micro_batch * dims.vocab / tp
+        # each in-flight unit is one (virtual) stage's blocks for one micro-batch
+        saved = [[profile.blocks[i].saved_bytes(tp, sequence_parallel) * scale for i in stages.stage_blocks[s]]
+                 for s in rank_stages]
+        if recompute:  # a block keeps its input; one block's activations exist again during its backward
+            layer_input = profile.boundary * profile.element_bytes * scale / (tp if sequence_parallel else 1)
+            deepest = max(len(b) for b in saved)
+            act = in_flight[rank] * deepest * layer_input + max((x for b in saved for x in b), default=0.0)
+        else:
+            act = in_flight[rank] * max(sum(b) for b in saved)
+        if rank == stages.rank_of_stage(0):  # the modules before the blocks, on the whole sequence
+            act += profile.pre_bytes * profile.scale(a_bytes) * micro_batch
+        if rank == stages.rank_of_stage(stages.num_stages - 1):
+            # the logits and their gradient, in float32 whatever the precision; the whole sequence under CP
+            act += profile.post_bytes * micro_batch / (tp if head_sharded or profile.source == "named" else 1)
         n = params[rank]
         param_bytes, grad_bytes = _zero_peak(n, _block_elements(model, stages, blocks, tp_sharded, tp), zero_stage,
                                              shards, pp > 1, p_bytes, g_bytes, min(p_bytes, a_bytes))
