@@ -27,14 +27,14 @@ activations, which still ranks data-parallel layouts (the only ones such a model
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_parallel.compat import tree_map
 from lightning_parallel.pipeline.errors import PipelineConfigError, PipelineIncompatibleModel
 from lightning_parallel.pipeline.partition import find_blocks, outer_modules
 from lightning_parallel.planner.batch import batch_shape
@@ -139,9 +139,24 @@ def parameter_profile(model: nn.Module, seq: int, blocks_path: Optional[str] = N
                         1, 1, 0)
 
 
-def _one_sample(batch: Any, size: int) -> Any:
-    """The first sample of ``batch``: every tensor whose first dimension is the batch size, cut to one."""
-    return tree_map(lambda t: t[:1] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == size else t, batch)
+@contextmanager
+def _meta_parameters(model: nn.Module) -> Iterator[None]:
+    """Inside, ``model``'s parameters are meta tensors of their shapes (tied ones still tied); on exit the
+    original parameters are back in place. The trace then computes nothing and allocates nothing."""
+    swapped: list[tuple[dict, str, nn.Parameter]] = []
+    stand_ins: dict[int, nn.Parameter] = {}
+    for m in model.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None and not p.is_meta:
+                if id(p) not in stand_ins:
+                    stand_ins[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+                swapped.append((m._parameters, name, p))
+                m._parameters[name] = stand_ins[id(p)]
+    try:
+        yield
+    finally:
+        for table, name, p in swapped:
+            table[name] = p
 
 
 class _Regions:
@@ -156,8 +171,9 @@ class _Regions:
         self.split: dict[Any, float] = {}
         self.largest_post = 0.0
         self.seen: set[int] = set()
+        self.alive: list = []
         self.width: Optional[int] = None  # last dimension of the hidden state
-        self.inputs: dict[int, torch.Tensor] = {}
+        self.first: Optional[tuple[int, int]] = None  # elements and bytes per element of the first block's input
 
     def _close(self) -> None:
         total = self.counter.get_total_flops()
@@ -169,9 +185,8 @@ class _Regions:
             self._close()
             self.current = index
             x = args[0] if args else kwargs.get("hidden_states")
-            if isinstance(x, torch.Tensor) and index not in self.inputs:
-                self.inputs[index] = x
-                self.width = self.width or x.shape[-1]
+            if isinstance(x, torch.Tensor) and self.first is None:  # sizes only: no reference into the graph
+                self.first, self.width = (x.numel(), x.element_size()), x.shape[-1]
         return hook
 
     def leave(self, index: int):
@@ -180,25 +195,33 @@ class _Regions:
             self.current = "post" if index == self.n - 1 else "between"
         return hook
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
+    def pack(self, t: torch.Tensor) -> None:
+        """Counts ``t`` and keeps nothing: the trace never runs backward, and a saved output holding
+        its own graph would be a reference cycle keeping the parameters alive."""
         key = StorageWeakRef(t.untyped_storage()).cdata
         if key in self.skip or key in self.seen:
-            return t
+            return None
         self.seen.add(key)
+        self.alive.append(t.untyped_storage())  # so that no later storage takes its address (no graph held)
         nbytes = float(t.untyped_storage().nbytes())
         region = self.current
         if region == "post":
             self.largest_post = max(self.largest_post, nbytes)
         table = self.kept if isinstance(region, str) or (t.dim() and t.shape[-1] == self.width) else self.split
         table[region] = table.get(region, 0.0) + nbytes
-        return t
+        return None
+
+
+def _no_backward(_packed: None) -> torch.Tensor:
+    raise RuntimeError("the profiling trace runs no backward")
 
 
 def traced_profile(model: nn.Module, example: Any, step: Optional[Callable[[Any], Any]] = None,
                    blocks_path: Optional[str] = None) -> ModelProfile:
     """The profile measured in one run of ``step`` (default: the module's ``training_step(batch, 0)``) on
-    the first sample of ``example`` (see the module docstring). On the meta device when the model's
-    parameters are there. Raises what the step raises (data-dependent code cannot run on meta tensors)."""
+    ``example``, divided by its samples (see the module docstring). On the meta device whatever device the
+    model is on: nothing is computed or allocated. Raises what the step raises (data-dependent code,
+    ``.item()``, cannot run on meta tensors); the model is left as it was."""
     from lightning_parallel.pipeline.isolation import untouched
     from lightning_parallel.pipeline.meta_trace import meta_batch, meta_device
     from lightning_parallel.pipeline.order import traced_conditions
@@ -206,42 +229,38 @@ def traced_profile(model: nn.Module, example: Any, step: Optional[Callable[[Any]
     shape = batch_shape(example)
     if shape is None:
         raise ValueError("the example batch holds no tensor")
-    sample = _one_sample(example, shape[0])
+    samples, seq = shape
     path, blocks = _blocks(model, blocks_path)
-    on_meta = any(p.is_meta for p in model.parameters())
-    if on_meta:
-        sample = meta_batch(sample)
     step = step or (lambda batch: model.training_step(batch, 0))
     counter = FlopCounterMode(display=False)
-    skip = {StorageWeakRef(p.untyped_storage()).cdata for p in model.parameters()}
-    regions = _Regions(len(blocks), counter, skip)
-    handles = [h for i, b in enumerate(blocks) for h in (b.register_forward_pre_hook(regions.enter(i), with_kwargs=True),
-                                                         b.register_forward_hook(regions.leave(i), with_kwargs=True))]
-    logged = getattr(model, "log", None)
+    handles = []
     try:
         model.log = lambda *args, **kwargs: None  # the trace is no training step: it logs nothing
-        with untouched(model), meta_device(model, on_meta), traced_conditions(model), counter, \
-                torch.autograd.graph.saved_tensors_hooks(regions.pack, lambda t: t):
-            step(sample)
-            regions._close()
+        with _meta_parameters(model), untouched(model), meta_device(model), traced_conditions(model):
+            skip = {StorageWeakRef(p.untyped_storage()).cdata for p in model.parameters()}
+            regions = _Regions(len(blocks), counter, skip)
+            for i, b in enumerate(blocks):
+                handles += [b.register_forward_pre_hook(regions.enter(i), with_kwargs=True),
+                            b.register_forward_hook(regions.leave(i), with_kwargs=True)]
+            with counter, torch.autograd.graph.saved_tensors_hooks(regions.pack, _no_backward):
+                step(meta_batch(example))
+                regions._close()
     finally:
         for h in handles:
             h.remove()
-        if logged is not None:
-            del model.log
-    first = regions.inputs.get(0)
-    seq = shape[1]
-    width = regions.width or 1
-    hidden = int(first[0].numel() // seq) if first is not None else width
-    element = first.element_size() if first is not None else 4
-    per_block = tuple(BlockProfile(_params(b), regions.flops.get(i, 0.0), regions.kept.get(i, 0.0),
-                                   regions.split.get(i, 0.0)) for i, b in enumerate(blocks))
+        del model.log
+    numel, element = regions.first or (samples * seq, 4)
+    hidden = max(1, numel // (samples * seq))
+    per_block = tuple(BlockProfile(_params(b), regions.flops.get(i, 0.0) / samples, regions.kept.get(i, 0.0) / samples,
+                                   regions.split.get(i, 0.0) / samples) for i, b in enumerate(blocks))
     outer = ("pre", "between")
-    post_bytes = regions.kept.get("post", 0.0) + regions.largest_post  # and the gradient of the largest (logits)
+    # after the blocks: what the head and loss save, and the gradient of the largest of them (the logits)
+    post_bytes = (regions.kept.get("post", 0.0) + regions.largest_post) / samples
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     heads = next((m.num_heads for m in model.modules() if isinstance(m, nn.MultiheadAttention)), None)
-    return ModelProfile("traced", seq, per_block, sum(regions.flops.get(r, 0.0) for r in outer),
-                        regions.flops.get("post", 0.0), sum(regions.kept.get(r, 0.0) for r in outer), post_bytes,
+    return ModelProfile("traced", seq, per_block, sum(regions.flops.get(r, 0.0) for r in outer) / samples,
+                        regions.flops.get("post", 0.0) / samples,
+                        sum(regions.kept.get(r, 0.0) for r in outer) / samples, post_bytes,
                         hidden, hidden, embeddings[0].num_embeddings if embeddings else 0, element, heads)
 
 

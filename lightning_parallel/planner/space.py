@@ -184,6 +184,10 @@ class Candidate:
         return max(m.total_bytes for m in self.memory)
 
 
+# the split of a model with no repeated blocks, unpipelined: one stage, every module outside the (empty) blocks
+WHOLE = StagePlan("", (range(0),), (), (), 1)
+
+
 @lru_cache(maxsize=4096)
 def schedule_actions(name: str, stages: int, micro_batches: int, virtual_stages: int) -> Optional[tuple]:
     """Every rank's actions for ``name``, or None where the schedule refuses these sizes."""
@@ -242,6 +246,8 @@ def enumerate_layouts(model: nn.Module, cluster: Cluster, work: Workload,
             for micro_batches, schedule, chunks in pipeline_options(pp, replica_batch, blocks, fixed):
                 where = (tp, pp, chunks, schedule or "1f1b")
                 split = _split(model, world, where, work, splits, cp, ep)
+                if split is not None and split[1] is None and pp == 1:  # no blocks: the whole model is one stage
+                    split = (split[0], WHOLE)
                 if split is None or split[1] is None:
                     continue
                 placed = (tp, pp, chunks, placement_of(schedule or "1f1b"))
