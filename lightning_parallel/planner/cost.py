@@ -1,10 +1,11 @@
 """Predicted time of one training step of a layout: compute, TP and PP traffic, the bubble, DP.
 
-Per micro-batch and stage, compute is the stage's matmul FLOPs over the calibrated rate: ``2``
-FLOPs per weight of every linear layer and token, plus ``4 s h`` per token and layer for the
-attention scores and their weighted sum (Narayanan et al. 2021, arXiv 2104.04473 §5.1: a forward
-of ``24 b s h^2 + 4 b s^2 h`` per layer), divided by the TP size; embeddings are lookups and cost
-nothing. A backward costs twice the forward: one input-gradient and one weight-gradient pass of a
+Per micro-batch and stage, compute is the stage's forward FLOPs over the calibrated rate, divided
+by the TP size: the FLOPs of its blocks (and of the embedding and head on the first and last stage)
+as the model's profile gives them (``profile.py``: counted in a traced step, or for a model naming
+its sizes ``2`` FLOPs per weight of every linear layer and token plus ``4 s h`` per token and layer
+for the attention scores and their weighted sum, Narayanan et al. 2021, arXiv 2104.04473 §5.1). The
+activation that TP all-reduces and stages send is the hidden state between two blocks, as traced. A backward costs twice the forward: one input-gradient and one weight-gradient pass of a
 forward's FLOPs each, which schedules with a separate ``W`` action run apart. Activation
 checkpointing adds one forward to the input-gradient pass.
 

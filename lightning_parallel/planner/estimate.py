@@ -3,7 +3,11 @@
 For each pipeline rank: the parameters it holds (its stages' blocks, plus the embedding on the
 first and the head on the last; the weights the TP plan shards and the biases of column-parallel
 layers divided by ``tp``, other vectors kept whole), their gradients, AdamW's two moment tensors,
-and the activations that the pipeline schedule keeps alive. Activations per transformer layer follow Korthikanti et al. 2022,
+and the activations that the pipeline schedule keeps alive: per block, the bytes the model's profile
+(``profile.py``) says it saves for the backward, measured in a traced step (tensors as wide as the
+hidden state whole on every TP rank, the rest divided by ``tp``, all of it with sequence parallelism),
+plus what the modules before the blocks save on the first stage and the head and loss on the last.
+For a model that names its sizes the profile follows Korthikanti et al. 2022,
 "Reducing Activation Recomputation in Large Transformer Models" (arXiv 2205.05198, Table 2), in
 bytes for 16-bit activations::
 
@@ -24,12 +28,12 @@ replicas instead: each rank keeps ``1/N`` of the parameters, gradients and optim
 holding the same rows. Under pipeline parallelism stages 2 and 3 keep the stage's
 parameters and gradients whole through the step (ZeRO-1's peak, plus the shards). A rank keeps as many micro-batches in
 flight as the schedule simulator counts (``min(P - r, M)`` for 1F1B, ``M`` for GPipe). The last
-stage also holds the logits and their gradient in float32 (``8*s*b*V/t`` bytes). Context
+stage also holds the logits and their gradient in float32 (``8*s*b*V/t`` bytes from named sizes; traced:
+what the head and loss save plus the gradient of the largest, divided by ``t`` where the plan shards the head). Context
 parallelism (``context_parallel=c``) gives each rank ``s/c`` of the queries against all ``s`` keys,
 so every term of a layer's activations, the ``s^2`` one included, is divided by ``c``; the logits are
-not, since the head runs on the whole gathered sequence on every CP rank (``context_parallel/``). The formula
-assumes a GPT-style block (4h MLP, as many KV heads as heads); for other blocks it is an
-estimate of the same order. Nothing here counts framework buffers or allocator fragmentation.
+not, since the head runs on the whole gathered sequence on every CP rank (``context_parallel/``). The named
+sizes' formula assumes a GPT-style block (4h MLP, as many KV heads as heads). Nothing here counts framework buffers or allocator fragmentation.
 """
 
 from __future__ import annotations
