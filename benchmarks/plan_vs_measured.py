@@ -30,15 +30,10 @@ import importlib.util
 import os
 import statistics
 import tempfile
-import time
-import weakref
 from pathlib import Path
 
 import lightning as L
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.data import DataLoader
 
 from lightning_parallel import ParallelStrategy
@@ -46,6 +41,7 @@ from lightning_parallel.models.gpt import GPT
 from lightning_parallel.planner import Cluster, Constraints, Workload, search
 from lightning_parallel.planner.auto import device_memory
 from lightning_parallel.planner.calibrate import measure
+from tests.helpers.peak import PeakProbe
 
 
 def _benchmark_3d():
@@ -117,80 +113,6 @@ def gpt8(args) -> None:
 
 
 # ---- peak memory per rank -----------------------------------------------------------------------
-class LiveTensors(TorchDispatchMode):
-    """Bytes of the storages that operators create inside it, alive at once (``peak``); storages in ``old``
-    (those alive before) are not counted again when an operator returns them (in-place updates)."""
-
-    def __init__(self, old: set[int]):
-        super().__init__()
-        self.old, self.holders, self.live, self.peak = old, {}, 0, 0
-
-    def _drop(self, key: int) -> None:
-        entry = self.holders[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.live -= entry[0]
-            del self.holders[key]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
-                continue
-            key = StorageWeakRef(t.untyped_storage()).cdata
-            if key in self.old:
-                continue
-            if key not in self.holders:
-                self.holders[key] = [t.untyped_storage().nbytes(), 0]
-                self.live += self.holders[key][0]
-                self.peak = max(self.peak, self.live)
-            self.holders[key][1] += 1
-            weakref.finalize(t, self._drop, key)
-        return out
-
-
-def _storages(tensors) -> dict[int, int]:
-    return {StorageWeakRef(t.untyped_storage()).cdata: t.untyped_storage().nbytes() for t in tensors}
-
-
-class PeakProbe(L.Callback):
-    """Rank's peak tensor bytes in step ``at`` (see the module docstring), and the step times after warm-up."""
-
-    def __init__(self, out_dir: str, at: int = 2):
-        self.out_dir, self.at, self.mode, self.times, self.start = out_dir, at, None, [], 0.0
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.start = time.perf_counter()
-        if trainer.global_step != self.at:
-            return
-        optimizer = trainer.optimizers[0]
-        held = [p for p in pl_module.parameters()] + [p.grad for p in pl_module.parameters() if p.grad is not None]
-        held += [t for state in optimizer.state.values() for t in state.values()
-                 if isinstance(t, torch.Tensor) and t.dim() > 0]
-        self.base = _storages(held)
-        self.mode = LiveTensors(set(self.base))
-        self.mode.__enter__()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.times.append(time.perf_counter() - self.start)
-        if self.mode is not None:
-            self.mode.__exit__(None, None, None)
-            search = trainer.strategy.layout_search
-            mesh = trainer.strategy.mesh
-            predicted = search.best.candidate.memory[mesh.coords(trainer.global_rank).pp].total_bytes
-            result = {"measured": sum(self.base.values()) + self.mode.peak, "predicted": predicted,
-                      "layout": search.best.candidate.layout.describe(),
-                      "predicted_step": search.best.prediction.step_time}
-            self.mode = None
-            torch.save(result, os.path.join(self.out_dir, f"{trainer.global_rank}.pt"))
-
-    def on_train_end(self, trainer, pl_module):
-        path = os.path.join(self.out_dir, f"{trainer.global_rank}.pt")
-        result = torch.load(path, weights_only=False)
-        result["step"] = statistics.median(self.times[2:]) if len(self.times) > 2 else float("nan")
-        torch.save(result, path)
-
-
 def run(name: str, devices: int, sizes: dict, steps: int, batch: int = 8) -> list[dict]:
     """Train ``name`` on ``devices`` processes with ``sizes`` (numbers pin, "auto" searches); one dict per rank."""
     from benchmarks.plan_models import MODELS
