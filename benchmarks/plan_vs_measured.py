@@ -11,8 +11,9 @@ and the resident set carries the interpreter and libraries; this counts what the
 the temporaries it does not. Printed beside the estimate of the busiest rank (``planner/estimate.py``).
 
 **Step time** (``--part timing``): on three of the modules at 4 processes, every TP x PP layout the
-model splits into is trained (the ZeRO stage the search picks, 1F1B with 4 micro-batches where pipelined) and timed (median
-step after two warm-up steps); printed: the Spearman rank correlation of predicted and measured step
+model splits into is trained (the ZeRO stage the search picks, 1F1B with 4 micro-batches where
+pipelined) and timed: the median step after two warm-up steps, over the sequences of a step (the
+search ranks time per sequence). Printed: the Spearman rank correlation of predicted and measured
 times (``planner/cost.py`` with the nominal CPU rates ``strategy=auto`` uses), and whether the layout
 predicted fastest is within 10 % of the fastest measured.
 
@@ -169,12 +170,13 @@ def timing(args) -> None:
             except Exception as err:  # noqa: BLE001
                 print(f"{name} tp={tp} pp={pp}: not run ({str(err).splitlines()[0][:70]})")
                 continue
-            predicted.append(ranks[0]["predicted_step"])
-            measured.append(max(r["step"] for r in ranks))
+            # per sequence, as the search ranks: a layout with more replicas reads more sequences per step
+            predicted.append(ranks[0]["predicted_step"] / ranks[0]["sequences"])
+            measured.append(max(r["step"] for r in ranks) / ranks[0]["sequences"])
             names.append(f"tp={tp} pp={pp}")
-        print(f"\n{name}: {'layout':<12} {'predicted':>10} {'measured':>10}")
+        print(f"\n{name}: {'layout':<12} {'predicted':>10} {'measured':>10}  (per sequence)")
         for n, p, m in zip(names, predicted, measured):
-            print(f"{'':<{len(name) + 2}}{n:<12} {p * 1e3:>8.1f}ms {m * 1e3:>8.1f}ms")
+            print(f"{'':<{len(name) + 2}}{n:<12} {p * 1e3:>8.2f}ms {m * 1e3:>8.2f}ms")
         chosen = measured[predicted.index(min(predicted))]
         gap = chosen / min(measured) - 1
         rho = spearman(predicted, measured) if len(names) > 2 else float("nan")

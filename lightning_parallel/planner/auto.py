@@ -65,7 +65,8 @@ def device_memory(kind: str, processes_per_node: int, device: Optional[torch.dev
 
 
 def choose(model: nn.Module, nodes: int, devices_per_node: int, kind: str, replica_batch: int, seq: int,
-           precision: str, options: ParallelOptions, memory: Optional[float] = None, example: Any = None) -> SearchResult:
+           precision: str, options: ParallelOptions, memory: Optional[float] = None,
+           example: Any = None) -> SearchResult:
     """The ranked layouts for a strategy whose ``options`` contain ``"auto"`` (raises ``PlanError``);
     ``example``: a batch of the run, on which the costs of a model that names no sizes are traced
     (``profile.py``)."""

@@ -5,9 +5,10 @@ by the TP size: the FLOPs of its blocks (and of the embedding and head on the fi
 as the model's profile gives them (``profile.py``: counted in a traced step, or for a model naming
 its sizes ``2`` FLOPs per weight of every linear layer and token plus ``4 s h`` per token and layer
 for the attention scores and their weighted sum, Narayanan et al. 2021, arXiv 2104.04473 §5.1). The
-activation that TP all-reduces and stages send is the hidden state between two blocks, as traced. A backward costs twice the forward: one input-gradient and one weight-gradient pass of a
-forward's FLOPs each, which schedules with a separate ``W`` action run apart. Activation
-checkpointing adds one forward to the input-gradient pass.
+activation that TP all-reduces and stages send is the hidden state between two blocks, as traced.
+A backward costs twice the forward: one input-gradient and one weight-gradient pass of a forward's
+FLOPs each, which schedules with a separate ``W`` action run apart. Activation checkpointing adds one
+forward to the input-gradient pass.
 
 Collectives are rings: an all-reduce of ``n`` bytes over ``k`` devices moves ``2 (k - 1) / k * n``
 bytes through each device and takes ``2 (k - 1)`` message latencies. Tensor parallelism all-reduces

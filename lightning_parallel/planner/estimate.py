@@ -33,7 +33,8 @@ what the head and loss save plus the gradient of the largest, divided by ``t`` w
 parallelism (``context_parallel=c``) gives each rank ``s/c`` of the queries against all ``s`` keys,
 so every term of a layer's activations, the ``s^2`` one included, is divided by ``c``; the logits are
 not, since the head runs on the whole gathered sequence on every CP rank (``context_parallel/``). The named
-sizes' formula assumes a GPT-style block (4h MLP, as many KV heads as heads). Nothing here counts framework buffers or allocator fragmentation.
+sizes' formula assumes a GPT-style block (4h MLP, as many KV heads as heads). Nothing here counts
+framework buffers or allocator fragmentation.
 """
 
 from __future__ import annotations

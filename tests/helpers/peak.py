@@ -85,7 +85,7 @@ class PeakProbe(L.Callback):
             predicted = search.best.candidate.memory[mesh.coords(trainer.global_rank).pp].total_bytes
             result = {"measured": sum(self.base.values()) + self.mode.peak, "predicted": predicted,
                       "layout": search.best.candidate.layout.describe(),
-                      "predicted_step": search.best.prediction.step_time}
+                      "predicted_step": search.best.prediction.step_time, "sequences": search.best.sequences}
             self.mode = None
             torch.save(result, os.path.join(self.out_dir, f"{trainer.global_rank}.pt"))
 

@@ -121,7 +121,8 @@ def test_the_search_reads_flops_and_activations_of_a_module_naming_no_sizes(my_p
     profile = traced_profile(model, tokens())
     s, d = 16, 32
     block = model.blocks[0]
-    weights = block.attn.in_proj_weight.numel() + sum(m.weight.numel() for m in block.modules() if isinstance(m, nn.Linear))
+    linear = sum(m.weight.numel() for m in block.modules() if isinstance(m, nn.Linear))
+    weights = block.attn.in_proj_weight.numel() + linear
     # per sample: 2 FLOPs per weight and token, and Q K^T and the weighted sum of V: 2 x 2 s^2 d
     assert [b.flops for b in profile.blocks] == [2 * s * weights + 4 * s * s * d] * 4
     assert profile.post_flops == 2 * s * model.head.weight.numel()
