@@ -198,11 +198,36 @@ def deferred_pretrained_reads(defer: Callable[[torch.nn.Parameter, SafetensorsTe
         return
     original = PreTrainedModel.__dict__.get("_load_pretrained_model")
     if not isinstance(original, staticmethod):  # a transformers whose loader this module does not know
-        yield
+        with _kernels_on_host(PreTrainedModel):
+            yield
         return
     PreTrainedModel._load_pretrained_model = staticmethod(_deferring(original.__func__, defer))
     try:
-        yield
+        with _kernels_on_host(PreTrainedModel):
+            yield
     finally:
         PreTrainedModel._load_pretrained_model = original
+
+
+@contextmanager
+def _kernels_on_host(model_class: type) -> Generator[None, None, None]:
+    """transformers (5.25 on) swaps layers for hub kernels at the end of ``from_pretrained``, choosing
+    them for the device the parameters are on, and refuses the meta device. Here the parameters are on
+    meta only until they are read; kernels are chosen for the device eager construction would have
+    used: the accelerator when there is one, the host otherwise. The swap changes no parameter."""
+    original = model_class.__dict__.get("set_use_kernels")
+    if original is None:  # a transformers without hub kernels
+        yield
+        return
+
+    def set_use_kernels(self, use_kernels, *args, **kwargs):
+        if use_kernels and getattr(self, "_kernels_device", None) is None and self.device.type == "meta":
+            self._kernels_device = "cuda" if torch.cuda.is_available() else "cpu"
+        return original(self, use_kernels, *args, **kwargs)
+
+    model_class.set_use_kernels = set_use_kernels
+    try:
+        yield
+    finally:
+        model_class.set_use_kernels = original
 

@@ -24,6 +24,7 @@ from typing import Optional
 
 from torch import nn
 
+from .moe import check_experts
 from .names import glob_matches, inside
 from .plan import (
     BUILTIN_HF_PLANS,
@@ -86,7 +87,26 @@ def hf_plan(model: nn.Module) -> Plan:
             plan[glob] = replace(entry, params=_owned_params(model, glob, raw))
     paired = parse_plan(HF_PAIRED_LAYERS.get(getattr(model.config, "model_type", None), {}))
     plan.update({base_prefix + glob: e for glob, e in paired.items() if base_prefix + glob in plan})
+    plan.update(_experts_of_the_ep_plan(model, base_prefix, raw, present))
     return plan
+
+
+def _experts_of_the_ep_plan(model: nn.Module, base_prefix: str, raw: dict, present) -> Plan:
+    """``moe_experts`` entries for the experts modules that the model's expert-parallel plan names and
+    its tensor-parallel plan leaves out. transformers (5.25 on) keeps MoE experts in
+    ``base_model_ep_plan`` only (``ep_dispatch_experts``), so a TP plan read alone would leave every
+    expert whole on every rank: exact, but each rank would hold them all."""
+    ep_plan = getattr(model.config, "base_model_ep_plan", None) or {}
+    found: Plan = {}
+    for glob, style in ep_plan.items():
+        glob = base_prefix + glob
+        if style != "ep_dispatch_experts" or not present(glob) or any(g == glob or inside(g, glob) for g in raw):
+            continue
+        matched = [(n, m) for n, m in model.named_modules() if n and glob_matches(n, glob)]
+        if any(check_experts(n, m, 1) is not None for n, m in matched):  # not of the form the style splits
+            continue
+        found[glob] = PlanEntry(**HF_STYLES["moe_tp_experts"])
+    return found
 
 
 def _vocab_keeps_forward(model: nn.Module, glob: str) -> bool:

@@ -248,7 +248,7 @@ HF_CASES = {
     "gemma_scaled_embedding": ("GemmaConfig", dict(head_dim=8)),
     "granite_swa_local_params_sinks": ("GraniteSWAConfig", dict(head_dim=8)),
     "beam_local_params_gate_bias": ("BeamConfig", dict(head_dim=8)),
-    "inkling_all_reduce_shared_experts": (
+    "inkling_moe_experts_from_its_ep_plan": (
         "InklingTextConfig",
         dict(head_dim=8, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8, moe_intermediate_size=16,
              n_routed_experts=4, num_experts_per_tok=2, sliding_window_size=8, rel_extent=16),
@@ -273,7 +273,7 @@ def _sliced_params_worker(rank, world, name, sizes):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("case,param,full", [
     ("granite_swa_local_params_sinks", "self_attn.sinks", (4,)),
-    ("inkling_all_reduce_shared_experts", "mlp.shared_experts.down_proj", (2, 32, 16)),
+    ("inkling_moe_experts_from_its_ep_plan", "mlp.experts.down_proj", (4, 32, 16)),
 ])
 def test_local_params_and_all_reduce_keep_only_this_ranks_slice_of_the_named_parameters(case, param, full):
     """The parity above holds because each rank trains its slice: the named bare parameters are cut in two."""
