@@ -3,12 +3,12 @@
 **Memory** (``--part memory``): for six kinds of module (``plan_models.py``: dense, MoE, CNN,
 encoder, ``nn.Transformer``, a module naming no sizes) at 2 and 4 processes, ``strategy=auto`` chooses
 a layout (and, at 4 processes, a pipelined layout is pinned too where the model has blocks), trains it,
-and each rank measures its peak tensor memory in its third step: the bytes of its parameters, gradients
-and optimizer state alive when the step starts, plus the most bytes of tensors created during the step
+and each rank measures its peak tensor memory in its third step (``tests/helpers/peak.py``): the bytes
+of every tensor alive when the step starts, plus the most bytes of tensors created during the step
 (forward, backward, optimizer) alive at once, counted by a ``TorchDispatchMode`` that follows every
 operator's outputs until they are freed. The allocator of a CPU process cannot be asked for its peak,
 and the resident set carries the interpreter and libraries; this counts what the estimate counts, and
-the temporaries it does not. Printed beside the estimate of the busiest rank (``planner/estimate.py``).
+the buffers and temporaries it does not. Printed beside the estimate of the busiest rank (``planner/estimate.py``).
 
 **Step time** (``--part timing``): on three of the modules at 4 processes, every TP x PP layout the
 model splits into is trained (the ZeRO stage the search picks, 1F1B with 4 micro-batches where

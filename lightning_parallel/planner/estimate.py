@@ -18,7 +18,8 @@ scaled by ``activation bytes / 2`` for other precisions. With activation checkpo
 layer (``recompute``) a layer keeps only its input, ``s*b*h`` elements (``/t`` with sequence
 parallelism), and one layer's full activations exist again while its backward runs (Korthikanti
 et al. 2022, §4). ZeRO (Rajbhandari et al. 2020, arXiv 1910.02054; ``zero_stage`` over ``dp``
-replicas) divides the optimizer state by ``dp`` from stage 1 on. From stage 2 on each rank keeps
+replicas) divides the optimizer state by ``dp`` from stage 1 on; at stage 1 each rank also keeps the
+``1/dp`` slice its gradient buckets are reduce-scattered to (``data_parallel/grad_sync.py``). From stage 2 on each rank keeps
 ``1/dp`` of the parameters and gradients, and holds whole what a step gathers
 (``data_parallel/fully_sharded.py``), in the precision it computes in (bfloat16 under
 ``bf16-mixed``): at stage 2 every parameter, with one block's whole gradients at a time; at stage 3
@@ -251,6 +252,8 @@ def _zero_peak(n: int, blocks: list[int], stage: int, dp: int, pipelined: bool, 
                gathered_bytes: int) -> tuple[float, float]:
     """Parameter and gradient bytes at a step's peak of a device holding ``n`` elements, ``blocks`` of them
     in its blocks, at ZeRO ``stage`` over ``dp`` replicas: its shards, and what the step gathers."""
+    if stage == 1 and dp > 1:  # the bucket each gradient is a view into, and the slice it is reduce-scattered to
+        return n * p_bytes, n * g_bytes * (1 + 1 / dp)
     if stage < 2 or dp == 1:
         return n * p_bytes, n * g_bytes
     if pipelined:  # gathered once per step and kept, gradients accumulated whole

@@ -1,14 +1,16 @@
 """Peak tensor memory of a rank in one training step, for comparing the planner's estimate with a run.
 
 A CPU process's allocator cannot be asked for its peak, and its resident set carries the interpreter
-and libraries, so this counts tensors: the bytes of the rank's parameters, gradients and optimizer
-state alive when the step starts, plus the most bytes of tensors created during the step (forward,
+and libraries, so this counts tensors: the bytes of every tensor alive when the step starts (the
+parameters, gradients, optimizer state, the gradient buckets and whatever else a Python object holds,
+found by the garbage collector), plus the most bytes of tensors created during the step (forward,
 backward, optimizer) alive at once, followed by a ``TorchDispatchMode`` through every operator's
 outputs until they are freed (each storage once; an in-place update of an older storage is not new).
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import time
@@ -68,11 +70,8 @@ class PeakProbe(L.Callback):
         self.start = time.perf_counter()
         if trainer.global_step != self.at:
             return
-        optimizer = trainer.optimizers[0]
-        held = [p for p in pl_module.parameters()] + [p.grad for p in pl_module.parameters() if p.grad is not None]
-        held += [t for state in optimizer.state.values() for t in state.values()
-                 if isinstance(t, torch.Tensor) and t.dim() > 0]
-        self.base = _storages(held)
+        gc.collect()
+        self.base = _storages(t for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.device.type == "cpu")
         self.mode = LiveTensors(set(self.base))
         self.mode.__enter__()
 
