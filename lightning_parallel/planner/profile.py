@@ -175,14 +175,14 @@ class _Regions:
         self.width: Optional[int] = None  # last dimension of the hidden state
         self.first: Optional[tuple[int, int]] = None  # elements and bytes per element of the first block's input
 
-    def _close(self) -> None:
+    def close(self) -> None:
         total = self.counter.get_total_flops()
         self.flops[self.current] = self.flops.get(self.current, 0.0) + total - self.entered_at
         self.entered_at = total
 
     def enter(self, index: int):
         def hook(_module, args, kwargs):
-            self._close()
+            self.close()
             self.current = index
             x = args[0] if args else kwargs.get("hidden_states")
             if isinstance(x, torch.Tensor) and self.first is None:  # sizes only: no reference into the graph
@@ -191,7 +191,7 @@ class _Regions:
 
     def leave(self, index: int):
         def hook(_module, _args, _kwargs, _out):
-            self._close()
+            self.close()
             self.current = "post" if index == self.n - 1 else "between"
         return hook
 
@@ -233,7 +233,7 @@ def traced_profile(model: nn.Module, example: Any, step: Optional[Callable[[Any]
     path, blocks = _blocks(model, blocks_path)
     step = step or (lambda batch: model.training_step(batch, 0))
     counter = FlopCounterMode(display=False)
-    handles = []
+    handles, own_log = [], model.__dict__.get("log")
     try:
         model.log = lambda *args, **kwargs: None  # the trace is no training step: it logs nothing
         with _meta_parameters(model), untouched(model), meta_device(model), traced_conditions(model):
@@ -244,11 +244,13 @@ def traced_profile(model: nn.Module, example: Any, step: Optional[Callable[[Any]
                             b.register_forward_hook(regions.leave(i), with_kwargs=True)]
             with counter, torch.autograd.graph.saved_tensors_hooks(regions.pack, _no_backward):
                 step(meta_batch(example))
-                regions._close()
+                regions.close()
     finally:
         for h in handles:
             h.remove()
         del model.log
+        if own_log is not None:
+            model.log = own_log
     numel, element = regions.first or (samples * seq, 4)
     hidden = max(1, numel // (samples * seq))
     per_block = tuple(BlockProfile(_params(b), regions.flops.get(i, 0.0) / samples, regions.kept.get(i, 0.0) / samples,
