@@ -228,8 +228,8 @@ def estimate_memory(
             act = in_flight[rank] * deepest * layer_input + max((x for b in saved for x in b), default=0.0)
         else:
             act = in_flight[rank] * max(sum(b) for b in saved)
-        if rank == stages.rank_of_stage(0):  # the modules before the blocks, on the whole sequence
-            act += profile.pre_bytes * profile.scale(a_bytes) * micro_batch
+        if rank == stages.rank_of_stage(0):  # the modules before the blocks, on the whole sequence, per micro-batch
+            act += in_flight[rank] * profile.pre_bytes * profile.scale(a_bytes) * micro_batch
         if rank == stages.rank_of_stage(stages.num_stages - 1):
             # the logits and their gradient, in float32 whatever the precision; the whole sequence under CP
             act += profile.post_bytes * micro_batch / (tp if head_sharded or profile.source == "named" else 1)

@@ -3,7 +3,7 @@
 A CPU process's allocator cannot be asked for its peak, and its resident set carries the interpreter
 and libraries, so this counts tensors: the bytes of every tensor alive when the step starts (the
 parameters, gradients, optimizer state, the gradient buckets and whatever else a Python object holds,
-found by the garbage collector), plus the most bytes of tensors created during the step (forward,
+found by the garbage collector; the data set's own tensors left out), plus the most bytes of tensors created during the step (forward,
 backward, optimizer) alive at once, followed by a ``TorchDispatchMode`` through every operator's
 outputs until they are freed (each storage once; an in-place update of an older storage is not new).
 """
@@ -71,7 +71,9 @@ class PeakProbe(L.Callback):
         if trainer.global_step != self.at:
             return
         gc.collect()
-        self.base = _storages(t for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.device.type == "cpu")
+        data = _storages(getattr(trainer.train_dataloader.dataset, "tensors", ()))  # the data set: not the model's
+        alive = _storages(t for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.device.type == "cpu")
+        self.base = {key: nbytes for key, nbytes in alive.items() if key not in data}
         self.mode = LiveTensors(set(self.base))
         self.mode.__enter__()
 
