@@ -2,7 +2,7 @@
 
 **Memory** (``--part memory``): for six kinds of module (``plan_models.py``: dense, MoE, CNN,
 encoder, ``nn.Transformer``, a module naming no sizes) at 2 and 4 processes, ``strategy=auto`` chooses
-a layout (and, at 4 processes, a pipelined layout is pinned too where the model has blocks), trains it,
+a layout (and, at 4 processes, PP 2 and TP 2 are pinned too where the model splits so), trains it,
 and each rank measures its peak tensor memory in its third step (``tests/helpers/peak.py``): the bytes
 of every tensor alive when the step starts, plus the most bytes of tensors created during the step
 (forward, backward, optimizer) alive at once, counted by a ``TorchDispatchMode`` that follows every
@@ -132,6 +132,7 @@ def run(name: str, devices: int, sizes: dict, steps: int, batch: int = 8) -> lis
 
 
 PIPELINED = {"pipeline_parallel": 2, "tensor_parallel": 1, "micro_batches": 2, "schedule": "1f1b", "virtual_stages": 1}
+TENSOR_PARALLEL = {"tensor_parallel": 2, "pipeline_parallel": 1}
 
 
 def memory(args) -> None:
@@ -140,11 +141,12 @@ def memory(args) -> None:
     print(f"{'model':<12} {'procs':>5} {'layout':<34} {'predicted':>10} {'measured':>10} {'error':>7}")
     errors = []
     for name in MODELS:
-        for devices, sizes in ((2, {}), (4, {}), (4, PIPELINED)):
+        for devices, sizes in ((2, {}), (4, {}), (4, PIPELINED), (4, TENSOR_PARALLEL)):
             try:
                 ranks = run(name, devices, sizes, steps=4)
             except Exception as err:  # noqa: BLE001 - a layout this model does not run: say so, go on
-                print(f"{name:<12} {devices:>5} {'pp=2 pinned':<34} refused: {str(err).splitlines()[0][:60]}")
+                pinned = f"tp={sizes['tensor_parallel']} pp={sizes['pipeline_parallel']} pinned"
+                print(f"{name:<12} {devices:>5} {pinned:<34} refused: {str(err).splitlines()[0][:60]}")
                 continue
             busiest = max(ranks, key=lambda r: r["measured"])
             error = busiest["predicted"] / busiest["measured"] - 1
