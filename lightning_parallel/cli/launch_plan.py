@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -44,14 +44,17 @@ from lightning_parallel.planner.batch import (
     BatchShapeUnknown,
     argument_shape,
     datamodule_shape,
+    first_training_batch,
 )
 from lightning_parallel.planner.estimate import (
     RankMemory,
     count_parameters,
     estimate_memory,
     tp_sharded_parameters,
+    transformer_dims,
 )
 from lightning_parallel.planner.experts import experts_placed, held_with_experts
+from lightning_parallel.planner.profile import model_profile
 from lightning_parallel.tensor_parallel.resolve import divisors
 
 
@@ -91,21 +94,20 @@ def build_plan(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> LaunchPl
     options = parallel_options(cfg)
     num_nodes, devices = int(cfg.trainer.num_nodes), int(cfg.trainer.devices)
     check_allocation(num_nodes, devices, env)
-    model, searched, shape, unknown = None, None, None, None
+    searched, shape, unknown = None, None, None
     try:
         shape = data_batch_shape(cfg)
     except BatchShapeUnknown as err:
         unknown = str(err)
+    model = meta_model(cfg)
+    example = None if transformer_dims(model) or shape is None else data_example(cfg)  # to trace the model's costs
     if options.is_auto:  # the layout the strategy will choose at setup
-        model = meta_model(cfg)
         if shape is None:
             raise LaunchError(f"strategy=auto chooses the layout for the model and its batch shape, but {unknown}; "
                               "give the sizes instead, e.g.", [pinned(options)])
         searched = choose(model, num_nodes, devices, device_kind(cfg.trainer.accelerator), shape[0], shape[1],
-                          str(cfg.trainer.precision), options)
+                          str(cfg.trainer.precision), options, example=example)
         options = options.resolved(searched.best.candidate.layout.options())
-    if model is None:
-        model = meta_model(cfg)
     # a network built in the module's setup hook exists only once the run starts: the strategy checks it then
     built = any(True for _ in model.parameters())
     mesh = checked_layout(Launch(model, options, num_nodes, devices)) if built else check_layout(options, num_nodes, devices)
@@ -126,7 +128,7 @@ def build_plan(cfg: DictConfig, env: Mapping[str, str] = os.environ) -> LaunchPl
             micro_batches, options.schedule_name, options.sequence_parallel,
             cfg.trainer.precision, zero_stage=options.zero, dp=mesh.dp_size * mesh.cp_size,
             context_parallel=mesh.cp_size, params=held_with_experts(model, stages, sharded, mesh),
-            zero_shard_size=mesh.zero_shard_size,
+            zero_shard_size=mesh.zero_shard_size, profile=model_profile(model, seq, example, options.pipeline_blocks),
         )
     accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1))
     return LaunchPlan(
@@ -164,6 +166,20 @@ def data_batch_shape(cfg: DictConfig) -> tuple[int, int]:
     ``block_size``, else the first batch of the data module's training loader. Raises
     ``BatchShapeUnknown``."""
     return argument_shape(cfg.data) or _loader_shape(OmegaConf.to_yaml(cfg.data, resolve=True))
+
+
+def data_example(cfg: DictConfig) -> Any:
+    """The first batch of the config's training data (``planner/batch.py``), for the planner to trace the
+    model's costs on; None where the data cannot be read before the run."""
+    return _loader_batch(OmegaConf.to_yaml(cfg.data, resolve=True))
+
+
+@lru_cache(maxsize=2)
+def _loader_batch(data_config: str) -> Any:
+    try:
+        return first_training_batch(instantiate(OmegaConf.create(data_config), _convert_="all"))
+    except Exception:  # noqa: BLE001 - any failure of the user's data code: the planner reads the model alone
+        return None
 
 
 @lru_cache(maxsize=4)

@@ -40,6 +40,7 @@ from lightning_parallel.cli.config_checks import check_config, parallel_options
 from lightning_parallel.cli.entry import enter_command
 from lightning_parallel.cli.launch_plan import (
     data_batch_shape,
+    data_example,
     device_kind,
     dry_run,
     explain_failure,
@@ -64,14 +65,16 @@ from lightning_parallel.planner import (
     Workload,
     search,
 )
-from lightning_parallel.planner.auto import device_memory, report
+from lightning_parallel.planner.auto import device_memory, nothing_to_choose, report
 from lightning_parallel.planner.batch import (
     BatchShapeUnknown,
 )
 from lightning_parallel.planner.calibrate import measure, nominal
 from lightning_parallel.planner.estimate import (
     count_parameters,
+    transformer_dims,
 )
+from lightning_parallel.planner.profile import matmul_width
 from lightning_parallel.planner.space import Rates
 
 
@@ -137,14 +140,14 @@ def search_layouts(flags: argparse.Namespace, overrides: list[str], prog: str = 
                                      ) from None
         batch, seq = None, flags.seq_len
     seq = flags.seq_len or seq
-    from lightning_parallel.planner.search import model_dims
-
-    rates, source = _rates(flags, kind, devices, model_dims(model, options.pipeline_blocks).hidden)
+    work = Workload(int(seq), str(cfg.trainer.precision), global_batch=flags.global_batch,
+                    replica_batch=None if flags.global_batch else int(batch), options=options,
+                    example=None if transformer_dims(model) else data_example(cfg))
+    profile = work.profile_of(model)
+    rates, source = _rates(flags, kind, devices, matmul_width(profile))
     memory = flags.device_memory * 1024**3 if flags.device_memory else device_memory(kind, devices)
     cluster = Cluster(nodes, devices, memory, rates, shared_compute=kind == "cpu")
-    work = Workload(int(seq), str(cfg.trainer.precision), global_batch=flags.global_batch,
-                    replica_batch=None if flags.global_batch else int(batch), options=options)
-    result = search(model, cluster, work, Constraints(cp=options.cp, ep=options.ep))  # CP, EP only where asked
+    result = search(model, cluster, work, Constraints(cp=options.cp, ep=options.ep), profile)  # CP, EP only where asked
     batch_line = (f"global batch {flags.global_batch}" if flags.global_batch else f"batch {batch} per replica")
     print(f"model: {type(model).__name__}, {count_parameters(model) / 1e6:,.1f}M parameters, {batch_line} x {seq} "
           f"tokens, precision {cfg.trainer.precision}")
@@ -152,6 +155,9 @@ def search_layouts(flags: argparse.Namespace, overrides: list[str], prog: str = 
           f"{rates.flops / 1e12:.3g} TFLOP/s, {rates.intra_bandwidth / 1e9:.3g} GB/s in a node, "
           f"{rates.inter_bandwidth / 1e9:.3g} GB/s across, {rates.latency * 1e6:.0f} us per message, "
           f"AdamW {rates.optimizer:.3g} parameters/s ({source})")
+    print(f"costs: {profile.describe()}")
+    if result.nothing_to_choose:
+        print(nothing_to_choose(result, model))
     print(f"{len(result.ranked)} layouts fit, {len(result.too_big)} do not; best {min(flags.top, len(result.ranked))}:")
     print(report(result, flags.top))
     print(train_with(result, overrides, nodes, devices, per_replica=flags.global_batch is not None))

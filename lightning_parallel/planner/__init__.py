@@ -1,5 +1,6 @@
-"""Choosing a layout: enumerate them (``space``), predict their step time (``cost``, with rates
-from ``calibrate``), rank them (``search``). Pure logic on a model built on the meta device."""
+"""Choosing a layout: read the model's costs (``profile``), enumerate the layouts (``space``), predict
+their step time (``cost``, with rates from ``calibrate``), rank them (``search``). Pure logic on a model
+built on the meta device."""
 
 from lightning_parallel.planner.search import (
     PlanError,

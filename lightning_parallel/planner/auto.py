@@ -26,8 +26,10 @@ from lightning_parallel.planner.batch import (
     BatchShapeUnknown,
     batch_shape,
     datamodule_shape,
+    first_training_batch,
 )
 from lightning_parallel.planner.calibrate import nominal
+from lightning_parallel.planner.estimate import transformer_dims
 from lightning_parallel.planner.search import (
     PlanError,
     SearchResult,
@@ -63,11 +65,14 @@ def device_memory(kind: str, processes_per_node: int, device: Optional[torch.dev
 
 
 def choose(model: nn.Module, nodes: int, devices_per_node: int, kind: str, replica_batch: int, seq: int,
-           precision: str, options: ParallelOptions, memory: Optional[float] = None) -> SearchResult:
-    """The ranked layouts for a strategy whose ``options`` contain ``"auto"`` (raises ``PlanError``)."""
+           precision: str, options: ParallelOptions, memory: Optional[float] = None,
+           example: Any = None) -> SearchResult:
+    """The ranked layouts for a strategy whose ``options`` contain ``"auto"`` (raises ``PlanError``);
+    ``example``: a batch of the run, on which the costs of a model that names no sizes are traced
+    (``profile.py``)."""
     cluster = Cluster(nodes, devices_per_node, memory or device_memory(kind, devices_per_node), nominal(kind),
                       shared_compute=kind != "cuda")
-    work = Workload(seq=seq, precision=precision, replica_batch=replica_batch, options=options)
+    work = Workload(seq=seq, precision=precision, replica_batch=replica_batch, options=options, example=example)
     try:
         return search(model, cluster, work, constraints(options))
     except PlanError as err:
@@ -87,6 +92,17 @@ def report(result: SearchResult, top: int = 5) -> str:
     return f"{format_table(result, top)}\n{explain(result)}"
 
 
+def nothing_to_choose(result: SearchResult, model: nn.Module) -> str:
+    """Why the search chose plain data parallelism when nothing else was there to choose."""
+    world = result.cluster.world
+    if world == 1:
+        why = "one process: nothing to split"
+    else:
+        why = (f"{type(model).__name__} splits into no tensor or pipeline layout of {world} processes that fits "
+               "(no repeated blocks, heads or widths these sizes divide, or too small to split)")
+    return f"nothing to choose but data parallelism: {why}; each process holds the whole model"
+
+
 def training_shape(trainer: Any, strategy: Any) -> tuple[int, int]:
     """The batch shape of the run (``planner/batch.py``): its data module's, or the first batch of
     the loader given to the Trainer or of the module's own hook. Raises ``BatchShapeUnknown``."""
@@ -102,6 +118,19 @@ def training_shape(trainer: Any, strategy: Any) -> tuple[int, int]:
     return shape
 
 
+def training_example(trainer: Any, strategy: Any) -> Any:
+    """The first batch of the run (its data module's training loader, else the Trainer call's data), for
+    tracing the costs of a model that names no sizes; None where it cannot be read before the run."""
+    from lightning_parallel.pipeline.example import first_batch
+
+    try:
+        if trainer.datamodule is not None:
+            return first_training_batch(trainer.datamodule)
+        return first_batch(trainer, strategy)[0]
+    except Exception:  # noqa: BLE001 - any failure of the user's data code: the costs come from the model alone
+        return None
+
+
 def choose_for(strategy: Any, trainer: Any, options: ParallelOptions) -> SearchResult:
     """The search of a ``ParallelStrategy`` before its process group, from its module, world and the
     batch shape of ``trainer``'s data (``training_shape``); rank 0 logs the table and why."""
@@ -114,9 +143,12 @@ def choose_for(strategy: Any, trainer: Any, options: ParallelOptions) -> SearchR
     except BatchShapeUnknown as err:
         raise LaunchError(f"sizes given as 'auto' are chosen for the model and its batch shape, but {err}; "
                           "give the sizes instead, e.g.", [pinned(options)]) from None
-    kind = strategy.root_device.type
-    result = choose(strategy.lightning_module, strategy.num_nodes, strategy.num_processes, kind, shape[0], shape[1],
-                    str(trainer.precision), options, device_memory(kind, strategy.num_processes, strategy.root_device))
+    kind, model = strategy.root_device.type, strategy.lightning_module
+    example = None if transformer_dims(model) else training_example(trainer, strategy)
+    result = choose(model, strategy.num_nodes, strategy.num_processes, kind, shape[0], shape[1],
+                    str(trainer.precision), options, device_memory(kind, strategy.num_processes, strategy.root_device),
+                    example)
+    why = f"{nothing_to_choose(result, model)}\n" if result.nothing_to_choose else ""
     rank_zero_info(f"strategy=auto chose {result.best.candidate.layout.describe()} of {len(result.ranked)} layouts "
-                   f"that fit (planner/auto.py):\n{report(result)}")
+                   f"that fit (planner/auto.py; costs: {result.profile.describe()}):\n{why}{report(result)}")
     return result

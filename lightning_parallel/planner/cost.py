@@ -1,12 +1,14 @@
 """Predicted time of one training step of a layout: compute, TP and PP traffic, the bubble, DP.
 
-Per micro-batch and stage, compute is the stage's matmul FLOPs over the calibrated rate: ``2``
-FLOPs per weight of every linear layer and token, plus ``4 s h`` per token and layer for the
-attention scores and their weighted sum (Narayanan et al. 2021, arXiv 2104.04473 §5.1: a forward
-of ``24 b s h^2 + 4 b s^2 h`` per layer), divided by the TP size; embeddings are lookups and cost
-nothing. A backward costs twice the forward: one input-gradient and one weight-gradient pass of a
-forward's FLOPs each, which schedules with a separate ``W`` action run apart. Activation
-checkpointing adds one forward to the input-gradient pass.
+Per micro-batch and stage, compute is the stage's forward FLOPs over the calibrated rate, divided
+by the TP size: the FLOPs of its blocks (and of the embedding and head on the first and last stage)
+as the model's profile gives them (``profile.py``: counted in a traced step, or for a model naming
+its sizes ``2`` FLOPs per weight of every linear layer and token plus ``4 s h`` per token and layer
+for the attention scores and their weighted sum, Narayanan et al. 2021, arXiv 2104.04473 §5.1). The
+activation that TP all-reduces and stages send is the hidden state between two blocks, as traced.
+A backward costs twice the forward: one input-gradient and one weight-gradient pass of a forward's
+FLOPs each, which schedules with a separate ``W`` action run apart. Activation checkpointing adds one
+forward to the input-gradient pass.
 
 Collectives are rings: an all-reduce of ``n`` bytes over ``k`` devices moves ``2 (k - 1) / k * n``
 bytes through each device and takes ``2 (k - 1)`` message latencies. Tensor parallelism all-reduces
@@ -45,10 +47,10 @@ from torch import nn
 from lightning_parallel.mesh import ParallelMesh
 from lightning_parallel.pipeline.partition import StagePlan
 from lightning_parallel.pipeline.schedules import simulate
-from lightning_parallel.planner.estimate import TransformerDims, precision_bytes
+from lightning_parallel.planner.estimate import precision_bytes
 from lightning_parallel.planner.experts import all_to_all_bytes, routed_layers, top_k
+from lightning_parallel.planner.profile import ModelProfile
 from lightning_parallel.planner.space import Candidate, Cluster, actions_of
-from lightning_parallel.tensor_parallel.resolve import is_conv1d
 
 # the data-parallel synchroniser's default bucket: one ring of latencies per bucket
 BUCKET_BYTES = 25 * 2**20
@@ -84,10 +86,6 @@ def ring_allreduce(nbytes: float, devices: int, bandwidth: float, latency: float
     return through / bandwidth + 2 * (devices - 1) * latency, through
 
 
-def _linear_weights(module: nn.Module) -> int:
-    return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear) or is_conv1d(m))
-
-
 def _has(model: nn.Module, names: tuple[str, ...], kind: type, vocab: int) -> bool:
     """Whether one of the modules ``names`` holds a ``kind`` layer with a vocabulary-sized dimension."""
     return any(isinstance(m, kind) and vocab in m.weight.shape for n in names for m in model.get_submodule(n).modules())
@@ -97,8 +95,8 @@ def _has(model: nn.Module, names: tuple[str, ...], kind: type, vocab: int) -> bo
 class StageWork:
     """What one micro-batch asks of each (virtual) stage of a split, unsplit by TP."""
 
-    flops_per_token: list[float]  # forward FLOPs of one token
-    outer_flops_per_token: list[float]  # the part of them outside the blocks (embedding, head), on the whole sequence
+    flops_per_sample: list[float]  # forward FLOPs of one sample
+    outer_flops_per_sample: list[float]  # the part of them outside the blocks (embedding, head), on the whole sequence
     layers: list[int]  # blocks of each stage
     forward_allreduces: list[int]  # activation-sized all-reduces under TP, forward
     backward_allreduces: list[int]  # the same, backward
@@ -107,22 +105,18 @@ class StageWork:
     top_k: int = 2  # experts per token
 
 
-def stage_work(model: nn.Module, stages: StagePlan, dims: TransformerDims, seq: int) -> StageWork:
-    """Per (virtual) stage: forward FLOPs per token, and the TP all-reduces per micro-batch (two per
-    layer each way; one forward for a vocabulary-parallel embedding on the first stage; one backward
+def stage_work(model: nn.Module, stages: StagePlan, profile: ModelProfile) -> StageWork:
+    """Per (virtual) stage: forward FLOPs per sample (``profile``), and the TP all-reduces per micro-batch (two
+    per layer each way; one forward for a vocabulary-parallel embedding on the first stage; one backward
     and three token-sized for a vocabulary-parallel head and loss on the last)."""
     blocks = model.get_submodule(stages.blocks_path)
     last = stages.num_stages - 1
-    embedding = _has(model, stages.pre, nn.Embedding, dims.vocab)
-    head = _has(model, stages.post, nn.Linear, dims.vocab)
+    embedding = bool(profile.vocab) and _has(model, stages.pre, nn.Embedding, profile.vocab)
+    head = bool(profile.vocab) and _has(model, stages.post, nn.Linear, profile.vocab)
     flops, outer, forward, backward, loss = [], [], [], [], []
     for s, block_range in enumerate(stages.stage_blocks):
-        f = sum(2 * _linear_weights(blocks[i]) + 4 * seq * dims.hidden for i in block_range)
-        o = 0
-        if s == 0:
-            o += sum(2 * _linear_weights(model.get_submodule(n)) for n in stages.pre)
-        if s == last:
-            o += sum(2 * _linear_weights(model.get_submodule(n)) for n in stages.post)
+        f = profile.block_flops(block_range)
+        o = (profile.pre_flops if s == 0 else 0.0) + (profile.post_flops if s == last else 0.0)
         flops.append(f + o)
         outer.append(o)
         forward.append(2 * len(block_range) + int(s == 0 and embedding))
@@ -143,13 +137,14 @@ def _bandwidth(ranks: list[int], cluster: Cluster) -> float:
     return cluster.rates.inter_bandwidth if across else cluster.rates.intra_bandwidth
 
 
-def predict(candidate: Candidate, work: StageWork, dims: TransformerDims, cluster: Cluster, seq: int,
+def predict(candidate: Candidate, work: StageWork, profile: ModelProfile, cluster: Cluster, seq: int,
             precision: str) -> Prediction:
     """The step time of ``candidate``, whose split asks ``work`` (``stage_work``) of its stages; see
     the module docstring for the model of it."""
     lay, rates = candidate.layout, cluster.rates
     p_bytes, g_bytes, _, a_bytes = precision_bytes(precision)
-    tokens = seq * candidate.replica_batch // lay.micro_batches  # per micro-batch
+    samples = candidate.replica_batch // lay.micro_batches  # per micro-batch
+    tokens = seq * samples
     cp = lay.cp
     mesh = ParallelMesh(cluster.world, tensor_parallel=lay.tp, pipeline_parallel=lay.pp, data_parallel=lay.dp,
                         context_parallel=cp, expert_parallel=lay.ep)
@@ -157,9 +152,9 @@ def predict(candidate: Candidate, work: StageWork, dims: TransformerDims, cluste
     pace = (lambda xs: sum(xs) / len(xs)) if cluster.shared_compute else max
 
     # under CP the blocks see a 1/cp share of the tokens, the embedding and head all of them
-    per_token = [(f - o) / cp + o for f, o in zip(work.flops_per_token, work.outer_flops_per_token)]
-    forward = pace(per_token) * tokens / lay.tp / rates.flops
-    activation = tokens * dims.hidden * a_bytes / cp  # the TP all-reduces of the blocks' share of the tokens
+    per_sample = [(f - o) / cp + o for f, o in zip(work.flops_per_sample, work.outer_flops_per_sample)]
+    forward = pace(per_sample) * samples / lay.tp / rates.flops
+    activation = samples * profile.boundary * a_bytes / cp  # the TP all-reduces of the blocks' share of the tokens
     one, through = ring_allreduce(activation, lay.tp, rates.intra_bandwidth, rates.latency)
     small = ring_allreduce(tokens * 4, lay.tp, rates.intra_bandwidth, rates.latency)[0]
     tp_forward = pace([n * one + k * small for n, k in zip(work.forward_allreduces, work.loss_allreduces)])
@@ -171,8 +166,8 @@ def predict(candidate: Candidate, work: StageWork, dims: TransformerDims, cluste
     link = rates.inter_bandwidth if across else rates.intra_bandwidth
     p2p = (activation / link + rates.latency) if lay.pp > 1 else 0.0
 
-    ring, ring_bytes = _context_parallel(tokens, dims, a_bytes, cp, pace(work.layers), mesh, cluster)
-    experts, experts_bytes = _expert_parallel(tokens, dims, a_bytes, lay, work, mesh, cluster)
+    ring, ring_bytes = _context_parallel(tokens, profile, a_bytes, cp, pace(work.layers), mesh, cluster)
+    experts, experts_bytes = _expert_parallel(tokens, profile, a_bytes, lay, work, mesh, cluster)
 
     f_cost = forward + tp_forward + p2p
     b_cost = forward + recompute + tp_backward + tp_recompute + p2p  # input gradient
@@ -216,7 +211,7 @@ def predict(candidate: Candidate, work: StageWork, dims: TransformerDims, cluste
                       dp_time, optimizer, tp_bytes + p2p_bytes + ring_bytes + dp_through + experts_bytes, experts)
 
 
-def _expert_parallel(tokens: int, dims: TransformerDims, a_bytes: int, lay, work: StageWork, mesh: ParallelMesh,
+def _expert_parallel(tokens: int, profile: ModelProfile, a_bytes: int, lay, work: StageWork, mesh: ParallelMesh,
                      cluster: Cluster) -> tuple[float, float]:
     """(seconds, bytes each device sends) of one micro-batch's dispatch and combine all-to-alls under expert
     parallelism (``experts.all_to_all_bytes``; one latency per peer and all-to-all); zero without it."""
@@ -226,11 +221,11 @@ def _expert_parallel(tokens: int, dims: TransformerDims, a_bytes: int, lay, work
     across = _crosses_nodes(mesh.ep_groups()[0], cluster.devices_per_node)
     link = rates.inter_bandwidth if across else rates.intra_bandwidth
     layers = max(work.moe_layers)
-    sent = all_to_all_bytes(tokens // lay.cp, dims.hidden, work.top_k, layers, lay.ep, a_bytes)
+    sent = all_to_all_bytes(tokens // lay.cp, profile.hidden, work.top_k, layers, lay.ep, a_bytes)
     return sent / link + 4 * layers * (lay.ep - 1) * rates.latency, sent
 
 
-def _context_parallel(tokens: int, dims: TransformerDims, a_bytes: int, cp: int, layers: float, mesh: ParallelMesh,
+def _context_parallel(tokens: int, profile: ModelProfile, a_bytes: int, cp: int, layers: float, mesh: ParallelMesh,
                       cluster: Cluster) -> tuple[float, float]:
     """(seconds, bytes each device sends) of one micro-batch's ring attention over ``layers`` blocks and the
     gather of the last block's output (module docstring); zero without context parallelism."""
@@ -239,8 +234,8 @@ def _context_parallel(tokens: int, dims: TransformerDims, a_bytes: int, cp: int,
     rates = cluster.rates
     across = _crosses_nodes(mesh.cp_groups()[0], cluster.devices_per_node)
     link = rates.inter_bandwidth if across else rates.intra_bandwidth
-    keys = 2 * tokens / cp * dims.kv_hidden  # this rank's keys and values: elements per shift
+    keys = 2 * tokens / cp * profile.kv_hidden  # this rank's keys and values: elements per shift
     sent = layers * ((cp - 1) * 2 * keys * a_bytes + cp * keys * 4)  # forward and backward; float32 gradients
-    gather = (cp - 1) / cp * tokens * dims.hidden * a_bytes
+    gather = (cp - 1) / cp * tokens * profile.hidden * a_bytes
     messages = layers * (2 * (cp - 1) + cp) + (cp - 1)
     return (sent + gather) / link + messages * rates.latency, sent + gather

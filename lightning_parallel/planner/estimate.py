@@ -3,7 +3,11 @@
 For each pipeline rank: the parameters it holds (its stages' blocks, plus the embedding on the
 first and the head on the last; the weights the TP plan shards and the biases of column-parallel
 layers divided by ``tp``, other vectors kept whole), their gradients, AdamW's two moment tensors,
-and the activations that the pipeline schedule keeps alive. Activations per transformer layer follow Korthikanti et al. 2022,
+and the activations that the pipeline schedule keeps alive: per block, the bytes the model's profile
+(``profile.py``) says it saves for the backward, measured in a traced step (tensors as wide as the
+hidden state whole on every TP rank, the rest divided by ``tp``, all of it with sequence parallelism),
+plus what the modules before the blocks save on the first stage and the head and loss on the last.
+For a model that names its sizes the profile follows Korthikanti et al. 2022,
 "Reducing Activation Recomputation in Large Transformer Models" (arXiv 2205.05198, Table 2), in
 bytes for 16-bit activations::
 
@@ -14,7 +18,8 @@ scaled by ``activation bytes / 2`` for other precisions. With activation checkpo
 layer (``recompute``) a layer keeps only its input, ``s*b*h`` elements (``/t`` with sequence
 parallelism), and one layer's full activations exist again while its backward runs (Korthikanti
 et al. 2022, §4). ZeRO (Rajbhandari et al. 2020, arXiv 1910.02054; ``zero_stage`` over ``dp``
-replicas) divides the optimizer state by ``dp`` from stage 1 on. From stage 2 on each rank keeps
+replicas) divides the optimizer state by ``dp`` from stage 1 on; at stage 1 each rank also keeps the
+``1/dp`` slice its gradient buckets are reduce-scattered to (``data_parallel/grad_sync.py``). From stage 2 on each rank keeps
 ``1/dp`` of the parameters and gradients, and holds whole what a step gathers
 (``data_parallel/fully_sharded.py``), in the precision it computes in (bfloat16 under
 ``bf16-mixed``): at stage 2 every parameter, with one block's whole gradients at a time; at stage 3
@@ -24,12 +29,13 @@ replicas instead: each rank keeps ``1/N`` of the parameters, gradients and optim
 holding the same rows. Under pipeline parallelism stages 2 and 3 keep the stage's
 parameters and gradients whole through the step (ZeRO-1's peak, plus the shards). A rank keeps as many micro-batches in
 flight as the schedule simulator counts (``min(P - r, M)`` for 1F1B, ``M`` for GPipe). The last
-stage also holds the logits and their gradient in float32 (``8*s*b*V/t`` bytes). Context
+stage also holds the logits and their gradient in float32 (``8*s*b*V/t`` bytes from named sizes; traced:
+what the head and loss save plus the gradient of the largest, divided by ``t`` where the plan shards the head). Context
 parallelism (``context_parallel=c``) gives each rank ``s/c`` of the queries against all ``s`` keys,
 so every term of a layer's activations, the ``s^2`` one included, is divided by ``c``; the logits are
-not, since the head runs on the whole gathered sequence on every CP rank (``context_parallel/``). The formula
-assumes a GPT-style block (4h MLP, as many KV heads as heads); for other blocks it is an
-estimate of the same order. Nothing here counts framework buffers or allocator fragmentation.
+not, since the head runs on the whole gathered sequence on every CP rank (``context_parallel/``). The named
+sizes' formula assumes a GPT-style block (4h MLP, as many KV heads as heads). Nothing here counts
+framework buffers or allocator fragmentation.
 """
 
 from __future__ import annotations
@@ -196,12 +202,14 @@ def estimate_memory(
     in_flight: list[int] | None = None,
     context_parallel: int = 1,
     zero_shard_size: int | None = None,
+    profile=None,
 ) -> list[RankMemory]:
     """Memory per device of every pipeline rank (see the module docstring for what is counted).
 
     ``params`` (``parameters_per_rank``) and ``in_flight`` (the simulator's peak micro-batches per
     rank) may be given by a caller that estimates many layouts of one split. ``zero_shard_size``: the
-    replicas ZeRO-2/3 shard over (HSDP), None for all ``dp`` of them.
+    replicas ZeRO-2/3 shard over (HSDP), None for all ``dp`` of them. ``profile``: the model's costs per
+    sample (``profile.model_profile``; by default from its named sizes or parameters alone).
     """
     p_bytes, g_bytes, o_bytes, a_bytes = precision_bytes(precision)
     if params is None:
@@ -209,27 +217,32 @@ def estimate_memory(
     pp, virtual = stages.ranks, stages.num_stages // stages.ranks
     if in_flight is None:
         in_flight = [1] if pp == 1 else simulate(all_ranks(schedule, pp, micro_batches, virtual)).peak_in_flight
-    dims = transformer_dims(model)
+    if profile is None:
+        from lightning_parallel.planner.profile import model_profile
+
+        profile = model_profile(model, seq)
+    scale = profile.scale(a_bytes) * micro_batch / context_parallel
+    head_sharded = any(id(p) in tp_sharded for n in stages.post for p in model.get_submodule(n).parameters())
     shards = zero_shard_size if zero_stage >= 2 and zero_shard_size else dp  # the replicas ZeRO-2/3 shard over
     optimizer_shards = shards if zero_stage else 1
     result = []
     for rank in range(pp):
         rank_stages = stages.stages_of_rank(rank)
         blocks = tuple(i for s in rank_stages for i in stages.stage_blocks[s])
-        act = 0.0
-        if dims is not None:
-            # each in-flight unit is one (virtual) stage's blocks for one micro-batch
-            deepest = max(len(stages.stage_blocks[s]) for s in rank_stages)
-            per_layer = (layer_activation_bytes(dims, seq, micro_batch, tp, sequence_parallel, a_bytes)
-                         / context_parallel)
-            if recompute:
-                layer_input = (seq * micro_batch * dims.hidden * a_bytes / (tp if sequence_parallel else 1)
-                               / context_parallel)
-                act = in_flight[rank] * deepest * layer_input + per_layer
-            else:
-                act = in_flight[rank] * deepest * per_layer
-            if rank == stages.rank_of_stage(stages.num_stages - 1):
-                act += 8 * seq * micro_batch * dims.vocab / tp
+        # each in-flight unit is one (virtual) stage's blocks for one micro-batch
+        saved = [[profile.blocks[i].saved_bytes(tp, sequence_parallel) * scale for i in stages.stage_blocks[s]]
+                 for s in rank_stages]
+        if recompute:  # a block keeps its input; one block's activations exist again during its backward
+            layer_input = profile.boundary * profile.element_bytes * scale / (tp if sequence_parallel else 1)
+            deepest = max(len(b) for b in saved)
+            act = in_flight[rank] * deepest * layer_input + max((x for b in saved for x in b), default=0.0)
+        else:
+            act = in_flight[rank] * max(sum(b) for b in saved)
+        if rank == stages.rank_of_stage(0):  # the modules before the blocks, on the whole sequence, per micro-batch
+            act += in_flight[rank] * profile.pre_bytes * profile.scale(a_bytes) * micro_batch
+        if rank == stages.rank_of_stage(stages.num_stages - 1):
+            # the logits and their gradient, in float32 whatever the precision; the whole sequence under CP
+            act += profile.post_bytes * micro_batch / (tp if head_sharded or profile.source == "named" else 1)
         n = params[rank]
         param_bytes, grad_bytes = _zero_peak(n, _block_elements(model, stages, blocks, tp_sharded, tp), zero_stage,
                                              shards, pp > 1, p_bytes, g_bytes, min(p_bytes, a_bytes))
@@ -249,6 +262,8 @@ def _zero_peak(n: int, blocks: list[int], stage: int, dp: int, pipelined: bool, 
                gathered_bytes: int) -> tuple[float, float]:
     """Parameter and gradient bytes at a step's peak of a device holding ``n`` elements, ``blocks`` of them
     in its blocks, at ZeRO ``stage`` over ``dp`` replicas: its shards, and what the step gathers."""
+    if stage == 1 and dp > 1:  # the bucket each gradient is a view into, and the slice it is reduce-scattered to
+        return n * p_bytes, n * g_bytes * (1 + 1 / dp)
     if stage < 2 or dp == 1:
         return n * p_bytes, n * g_bytes
     if pipelined:  # gathered once per step and kept, gradients accumulated whole

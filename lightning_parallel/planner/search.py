@@ -13,17 +13,13 @@ answer without communicating.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Optional
 
 from torch import nn
 
-from lightning_parallel.errors import Fix, LaunchError
-from lightning_parallel.pipeline.errors import (
-    PipelineConfigError,
-    PipelineIncompatibleModel,
-)
-from lightning_parallel.pipeline.partition import find_blocks
+from lightning_parallel.errors import LaunchError
 from lightning_parallel.planner.cost import Prediction, StageWork, predict, stage_work
-from lightning_parallel.planner.estimate import TransformerDims, transformer_dims
+from lightning_parallel.planner.profile import ModelProfile
 from lightning_parallel.planner.space import (
     Candidate,
     Cluster,
@@ -63,46 +59,39 @@ class SearchResult:
     ranked: list[Ranked]  # every layout that fits, best first
     too_big: list[Candidate]  # layouts whose busiest device does not fit
     cluster: Cluster
+    profile: Optional[ModelProfile] = None  # the model's costs the layouts were ranked by
+
+    @property
+    def nothing_to_choose(self) -> bool:
+        """Whether every layout that fits is plain data parallelism (one process, or a model that splits no other
+        way here): the search then only picks among ZeRO stages."""
+        return all(r.candidate.layout.tp == r.candidate.layout.pp == r.candidate.layout.cp == 1 for r in self.ranked)
 
     @property
     def best(self) -> Ranked:
         return self.ranked[0]
 
 
-def model_dims(model: nn.Module, pipeline_blocks: str | None = None) -> TransformerDims:
-    """The transformer sizes the cost model needs; refuses a model it cannot read them from."""
-    dims = transformer_dims(model)
-    try:
-        find_blocks(model, pipeline_blocks)
-    except (PipelineConfigError, PipelineIncompatibleModel):
-        dims = None
-    if dims is None:
-        raise PlanError(
-            f"the layout search needs a transformer: a list of repeated blocks and its hidden size, heads and "
-            f"vocabulary (a Hugging Face config, or n_embd, n_head and vocab_size hyperparameters); "
-            f"{type(model).__name__} has not all of them. Give the sizes instead, e.g.",
-            [Fix({"strategy.tensor_parallel": 1, "strategy.pipeline_parallel": 1})],
-        )
-    return dims
-
-
-def search(model: nn.Module, cluster: Cluster, work: Workload, fixed: Constraints = Constraints()) -> SearchResult:
-    """Every layout of ``cluster`` for ``model`` that fits device memory, ranked (see module docstring)."""
-    dims = model_dims(model, work.options.pipeline_blocks)
-    candidates = enumerate_layouts(model, cluster, work, fixed)
+def search(model: nn.Module, cluster: Cluster, work: Workload, fixed: Constraints = Constraints(),
+           profile: Optional[ModelProfile] = None) -> SearchResult:
+    """Every layout of ``cluster`` for ``model`` that fits device memory, ranked (see module docstring);
+    ``profile``: the model's costs, by default ``work.profile_of(model)``."""
+    profile = profile or work.profile_of(model)
+    candidates = enumerate_layouts(model, cluster, work, fixed, profile)
     fits = [c for c in candidates if c.peak_bytes <= cluster.device_memory]
     too_big = [c for c in candidates if c.peak_bytes > cluster.device_memory]
     if not fits:
-        raise PlanError(_nothing_fits(model, cluster, work, too_big))
+        raise PlanError(_nothing_fits(model, cluster, work, too_big, profile))
     asked: dict[int, StageWork] = {}  # per split (candidates of one split share its StagePlan)
     for c in fits:
         if id(c.stages) not in asked:
-            asked[id(c.stages)] = stage_work(model, c.stages, dims, work.seq)
-    ranked = [Ranked(c, predict(c, asked[id(c.stages)], dims, cluster, work.seq, work.precision)) for c in fits]
-    return SearchResult(sorted(ranked, key=Ranked.sort_key), too_big, cluster)
+            asked[id(c.stages)] = stage_work(model, c.stages, profile)
+    ranked = [Ranked(c, predict(c, asked[id(c.stages)], profile, cluster, work.seq, work.precision)) for c in fits]
+    return SearchResult(sorted(ranked, key=Ranked.sort_key), too_big, cluster, profile)
 
 
-def _nothing_fits(model: nn.Module, cluster: Cluster, work: Workload, too_big: list[Candidate]) -> str:
+def _nothing_fits(model: nn.Module, cluster: Cluster, work: Workload, too_big: list[Candidate],
+                  profile: ModelProfile) -> str:
     head = (f"no layout of {type(model).__name__} fits {cluster.nodes} node(s) x {cluster.devices_per_node} "
             f"devices of {cluster.device_memory / GIB:.1f} GiB")
     if not too_big:
@@ -110,20 +99,21 @@ def _nothing_fits(model: nn.Module, cluster: Cluster, work: Workload, too_big: l
                 f"node and the heads, PP sizes the blocks, and the batch the DP size)")
     least = min(too_big, key=lambda c: c.peak_bytes)
     needed = least.peak_bytes
-    nodes = _nodes_that_fit(model, cluster, work)
+    nodes = _nodes_that_fit(model, cluster, work, profile)
     more = (f"; with {nodes} nodes of these devices it fits" if nodes else "")
     return (f"{head}. The smallest, {least.layout.describe()}, needs {needed / GIB:.1f} GiB per device "
             f"(estimate.py). Use devices with at least {needed / GIB:.1f} GiB{more}, or a smaller batch per "
             f"replica or sequence length.")
 
 
-def _nodes_that_fit(model: nn.Module, cluster: Cluster, work: Workload, doublings: int = 3) -> int | None:
+def _nodes_that_fit(model: nn.Module, cluster: Cluster, work: Workload, profile: ModelProfile,
+                    doublings: int = 3) -> int | None:
     """The fewest nodes (doubling up to 8x) on which some layout fits, or None."""
     nodes = cluster.nodes
     for _ in range(doublings):
         nodes *= 2
         bigger = replace(cluster, nodes=nodes)
-        if any(c.peak_bytes <= cluster.device_memory for c in enumerate_layouts(model, bigger, work)):
+        if any(c.peak_bytes <= cluster.device_memory for c in enumerate_layouts(model, bigger, work, profile=profile)):
             return nodes
     return None
 

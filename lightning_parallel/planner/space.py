@@ -15,9 +15,9 @@ layouts whose busiest device does not fit are kept apart, to say what would fit 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Optional
+from typing import Any, Optional
 
 from torch import nn
 
@@ -45,6 +45,7 @@ from lightning_parallel.planner.estimate import (
     tp_sharded_parameters,
 )
 from lightning_parallel.planner.experts import expert_elements
+from lightning_parallel.planner.profile import ModelProfile, model_profile
 from lightning_parallel.tensor_parallel.resolve import divisors
 
 # model chunks per rank tried for every schedule: one (GPipe, 1F1B, ZB-H1) or two (interleaved, V-shaped)
@@ -157,6 +158,11 @@ class Workload:
     global_batch: Optional[int] = None
     replica_batch: Optional[int] = None
     options: ParallelOptions = ParallelOptions()  # the plan, sequence parallelism and block list the layouts use
+    example: Any = field(default=None, compare=False, repr=False)  # a batch of the run, to trace the model's costs
+
+    def profile_of(self, model: nn.Module) -> ModelProfile:
+        """The model's costs per sample (``profile.model_profile``), traced on ``example`` where it names no sizes."""
+        return model_profile(model, self.seq, self.example, self.options.pipeline_blocks)
 
     def batch_per_replica(self, dp: int) -> Optional[int]:
         if self.replica_batch is not None:
@@ -176,6 +182,10 @@ class Candidate:
     @property
     def peak_bytes(self) -> float:
         return max(m.total_bytes for m in self.memory)
+
+
+# the split of a model with no repeated blocks, unpipelined: one stage, every module outside the (empty) blocks
+WHOLE = StagePlan("", (range(0),), (), (), 1)
 
 
 @lru_cache(maxsize=4096)
@@ -208,9 +218,11 @@ def pipeline_options(pp: int, replica_batch: int, blocks: int, fixed: Constraint
 
 
 def enumerate_layouts(model: nn.Module, cluster: Cluster, work: Workload,
-                      fixed: Constraints = Constraints()) -> list[Candidate]:
+                      fixed: Constraints = Constraints(), profile: Optional[ModelProfile] = None) -> list[Candidate]:
     """Every layout of ``cluster`` the model splits into, fitting device memory or not (sorted by
-    nothing in particular: ``search`` ranks them). ``model`` may live on the meta device."""
+    nothing in particular: ``search`` ranks them). ``model`` may live on the meta device; ``profile``
+    (default ``work.profile_of(model)``) gives its activations."""
+    profile = profile or work.profile_of(model)
     try:
         blocks = len(find_blocks(model, work.options.pipeline_blocks)[1])
     except (PipelineConfigError, PipelineIncompatibleModel):
@@ -234,6 +246,8 @@ def enumerate_layouts(model: nn.Module, cluster: Cluster, work: Workload,
             for micro_batches, schedule, chunks in pipeline_options(pp, replica_batch, blocks, fixed):
                 where = (tp, pp, chunks, schedule or "1f1b")
                 split = _split(model, world, where, work, splits, cp, ep)
+                if split is not None and split[1] is None and pp == 1:  # no blocks: the whole model is one stage
+                    split = (split[0], WHOLE)
                 if split is None or split[1] is None:
                     continue
                 placed = (tp, pp, chunks, placement_of(schedule or "1f1b"))
@@ -248,7 +262,7 @@ def enumerate_layouts(model: nn.Module, cluster: Cluster, work: Workload,
                     for shard in _shard_choices(zero, dp, cluster.devices_per_node // (tp * cp), fixed.zero_shard):
                         for recompute in fixed.recompute:
                             layout = replace(base, zero=zero, zero_shard=shard, recompute=recompute)
-                            found.append(_candidate(model, layout, replica_batch, split, held[placed], work))
+                            found.append(_candidate(model, layout, replica_batch, split, held[placed], work, profile))
     return found
 
 
@@ -303,7 +317,7 @@ def peak_in_flight(name: Optional[str], stages: int, micro_batches: int, virtual
 
 
 def _candidate(model: nn.Module, layout: Layout, replica_batch: int, split, params: list[int],
-               work: Workload) -> Candidate:
+               work: Workload, profile: ModelProfile) -> Candidate:
     assignments, stages = split
     memory = tuple(estimate_memory(
         model, stages, tp_sharded_parameters(assignments), layout.tp, work.seq,
@@ -311,7 +325,7 @@ def _candidate(model: nn.Module, layout: Layout, replica_batch: int, split, para
         work.options.sequence_parallel, work.precision, zero_stage=layout.zero, dp=layout.dp * layout.cp,
         recompute=layout.recompute, params=params,
         in_flight=peak_in_flight(layout.schedule, layout.pp, layout.micro_batches, layout.virtual_stages),
-        context_parallel=layout.cp, zero_shard_size=layout.zero_shard,
+        context_parallel=layout.cp, zero_shard_size=layout.zero_shard, profile=profile,
     ))
     return Candidate(layout, replica_batch, stages, memory)
 
