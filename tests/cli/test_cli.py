@@ -104,7 +104,6 @@ def test_own_module_and_data_train_from_the_readme_command_line(tmp_path):
 def test_single_dp_tp_pp_start_from_the_same_step0_loss(tmp_path):
     layouts = {
         "single": ["strategy=single"],
-        "dp1": ["strategy=dp", "trainer.devices=1"],
         "tp2": ["strategy=tp", "trainer.devices=2"],
         "pp2": ["strategy=pp", "trainer.devices=2", "strategy.micro_batches=2"],
     }
