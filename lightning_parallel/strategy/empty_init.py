@@ -510,3 +510,32 @@ def empty_parameters(draws: bool = True) -> Generator[None, None, None]:
     finally:
         nn.Module.register_parameter = register
         nn.Parameter.__new__ = new_parameter
+
+
+@contextmanager
+def recording(model: nn.Module) -> Generator[None, None, None]:
+    """Inside, in-place calls on ``model``'s parameters built under ``empty_parameters()`` are recorded
+    as construction's were (replayed by ``materialize.py``), so a model's init functions called after
+    construction (``model.apply(model._init_weights)``, ``reset_parameters()``) give their values too.
+    Random calls draw as they would have on the host, in the order they are made."""
+    recorder = _Recorder(draws=True)
+    for param in model.parameters():
+        history = history_of(param)
+        if history is not None:
+            recorder.track(param, history)
+    with recorder, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter.*")
+        yield
+
+
+def reset_recorded(model: nn.Module) -> bool:
+    """Call every module's ``reset_parameters()`` (in ``model.modules()`` order) under ``recording``, when
+    ``model`` holds parameters built under ``empty_parameters()``: what FSDP does to a model built on the
+    meta device when it materialises it. Returns whether it did."""
+    if not any(history_of(p) is not None for p in model.parameters()):
+        return False
+    with recording(model):
+        for module in model.modules():
+            if callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+    return True
