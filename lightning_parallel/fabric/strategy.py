@@ -10,6 +10,8 @@ Fabric                             the Trainer strategy's code
 =================================  ===========================================================
 ``launch`` / process set-up        ``ParallelStrategy.setup_environment``: launch checks, mesh
 ``init_module(empty_init=True)``   ``tensor_init_context``: meta device, recorded values
+                                   (``reset_at_setup``: the modules' ``reset_parameters()``
+                                   recorded at setup too, as FSDP initialises a meta model)
 ``setup_module``                   ``ParallelStrategy.split`` (``compose.split_model``),
                                    ``hook_gradients`` (``GradientSynchronizer``); under PP
                                    a module whose call runs the schedule (``pipeline.py``)
@@ -88,13 +90,13 @@ class FabricParallelStrategy(_FabricParallelStrategy):
         self,
         start_method: str = "popen",
         timeout: Union[timedelta, float] = timedelta(minutes=30),
-        reset_at_setup: bool = False,
         process_group_backend: Optional[str] = None,
         accelerator: Any = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision: Optional[Precision] = None,
+        reset_at_setup: bool = False,
         **options: Any,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
@@ -229,7 +231,6 @@ class FabricParallelStrategy(_FabricParallelStrategy):
         """``init_module(empty_init=True)`` when ``reset_parameters()`` gives the values at setup: construction's
         init calls are recorded without drawing random numbers, as Fabric's empty init on one device skips
         them, so the draws of the reset come from the generator state one device has there."""
-        self._share_plumbing()
         with empty_parameters(draws=False), self.precision.tensor_init_context():
             yield
 
