@@ -127,7 +127,7 @@ class _TokenRows:
         return TokenRows()
 
 
-def pretrain(folder: Path, devices: int) -> dict:
+def pretrain(folder: Path, devices: int, run: str = "") -> dict:
     """``litgpt pretrain`` on a tiny config from random initial values: 3 optimizer steps of 8 rows (4
     micro-batches of 2 on one device, 2 per rank on two), clipped at norm 1, at a constant learning rate
     (``min_lr`` = ``lr``: pretrain's schedule reads the rate at a step's last micro-batch from the count of
@@ -140,7 +140,7 @@ def pretrain(folder: Path, devices: int) -> dict:
     config = Config(name="tiny", block_size=16, vocab_size=128, padded_vocab_size=128, n_layer=2, n_head=4, n_embd=32,
                     n_query_groups=2, rotary_percentage=1.0, parallel_residual=False, bias=False,
                     norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", intermediate_size=64)
-    out = folder / f"pretrain{devices}"
+    out = folder / f"pretrain{devices}{run}"
     pretrain_script.setup("tiny", model_config=config, out_dir=out, precision="32-true", devices=devices,
                           data=_TokenRows(),
                           train=TrainArgs(save_interval=None, log_interval=1, global_batch_size=8, micro_batch_size=2,
@@ -155,19 +155,22 @@ def pretrain(folder: Path, devices: int) -> dict:
 def test_litgpt_pretrain_on_two_processes_matches_one_device(tmp_path, monkeypatch):
     """``pretrain`` builds the model under ``init_module(empty_init=True)`` and initialises it after
     construction, which it leaves to FSDP: our strategy, standing in for FSDP, records that
-    initialisation and each rank replays it for its part."""
+    initialisation and each rank replays it for its part (at DP2, and at ZeRO-3: its rows)."""
     import litgpt.pretrain as pretrain_script
 
     monkeypatch.setattr(sys, "argv", ["litgpt", "tiny"])  # litgpt records its command line's arguments
     monkeypatch.setattr(torch, "compile", lambda model, **options: model)  # pretrain compiles; slow on CPU
     reference = pretrain(tmp_path, devices=1)
-    # the one line: pretrain builds FSDPStrategy for several devices; ours stands in for it
-    monkeypatch.setattr(pretrain_script, "FSDPStrategy", FabricParallelStrategy.standing_in_for_fsdp())
-    # pretrain calls fabric.launch() without a function: its processes are started as torchrun starts them
-    ranks = start_ranks(lambda rank: pretrain(tmp_path, devices=2), 2, str(tmp_path / "logs"))
-    for rank, process in enumerate(ranks):
-        process.join(timeout=500)
-        assert process.exitcode == 0, (tmp_path / "logs" / f"rank{rank}.log").read_text()[-3000:]
-    weights = load_directory(tmp_path / "pretrain2" / "final" / "lit_model.pth", "cpu", False)["state_dict"]
-    assert set(weights) == set(reference)
-    assert_params_close(weights, reference, atol=PARAM_BOUND)
+    for options in ({}, {"zero_stage": 3}):
+        # the one line: pretrain builds FSDPStrategy for several devices; ours stands in for it
+        monkeypatch.setattr(pretrain_script, "FSDPStrategy", FabricParallelStrategy.standing_in_for_fsdp(**options))
+        # pretrain calls fabric.launch() without a function: its processes are started as torchrun starts them
+        run = "".join(options)
+        logs = tmp_path / f"logs{run}"
+        ranks = start_ranks(lambda rank: pretrain(tmp_path, devices=2, run=run), 2, str(logs))
+        for rank, process in enumerate(ranks):
+            process.join(timeout=500)
+            assert process.exitcode == 0, (logs / f"rank{rank}.log").read_text()[-3000:]
+        weights = load_directory(tmp_path / f"pretrain2{run}" / "final" / "lit_model.pth", "cpu", False)["state_dict"]
+        assert set(weights) == set(reference)
+        assert_params_close(weights, reference, atol=PARAM_BOUND)
