@@ -99,7 +99,8 @@ def test_litgpt_finetune_full_at_tp2_matches_one_device(tmp_path, monkeypatch):
     reference = torch.load(finetune(tmp_path, checkpoint, devices=1), weights_only=True)["model"]
     monkeypatch.setattr(full, "FSDPStrategy",
                         lambda **fsdp: FabricParallelStrategy(start_method="fork", tensor_parallel=2))
-    weights = load_directory(finetune(tmp_path, checkpoint, devices=2, global_batch_size=24), "cpu", False)["state_dict"]
+    saved = finetune(tmp_path, checkpoint, devices=2, global_batch_size=24)
+    weights = load_directory(saved, "cpu", False)["state_dict"]
     assert_params_close(weights, reference, atol=PARAM_BOUND)
 
 
