@@ -72,6 +72,7 @@ _COPIES = {Tensor.clone, Tensor.to, Tensor.type, Tensor.float, Tensor.double, Te
 # a new method-wrapper at each access: compared with ==
 _SET_DATA = Tensor.data.__set__
 _DEVICE = Tensor.device.__get__
+_IS_META = Tensor.is_meta.__get__
 _EMPTY = {torch.empty, torch.empty_like, torch.empty_strided, Tensor.new_empty}
 # calls that draw random numbers (nn.init functions and tensor methods)
 _RANDOM = {"normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
@@ -290,6 +291,8 @@ class _Recorder(TorchFunctionMode):
         history = history_of(param)
         if func == _DEVICE:
             return self._device_of(history)
+        if func == _IS_META and self.draws:  # init functions that skip meta tensors (trunc_normal_) run as on the host
+            return history.device == "meta"
         if func in _ALIASES and len(args) == 1:
             out = func(*args, **kwargs)
             self.aliases[id(out)] = (out, param, path)
@@ -517,7 +520,11 @@ def recording(model: nn.Module) -> Generator[None, None, None]:
     """Inside, in-place calls on ``model``'s parameters built under ``empty_parameters()`` are recorded
     as construction's were (replayed by ``materialize.py``), so a model's init functions called after
     construction (``model.apply(model._init_weights)``, ``reset_parameters()``) give their values too.
-    Random calls draw as they would have on the host, in the order they are made."""
+    Random calls draw as they would have on the host, in the order they are made. Inside the build's own
+    ``empty_parameters()`` it adds nothing: that records already."""
+    if any(isinstance(mode, _Recorder) for mode in torch.overrides._get_current_function_mode_stack()):
+        yield
+        return
     recorder = _Recorder(draws=True)
     for param in model.parameters():
         history = history_of(param)
