@@ -35,6 +35,10 @@ itself, which draws its values only then; one nothing set) is refused at constru
 device eager construction would have given them (the host), so their own random initialisation draws
 from the generator as there.
 
+Calls after construction (a model's init functions applied to the built model) are recorded the same
+way inside ``recording(model)``; ``reset_recorded(model)`` calls every module's ``reset_parameters()``
+so, as FSDP does with a model built on meta.
+
 Recording is done by a ``TorchFunctionMode`` that sees every torch call during construction and
 by the constructors of ``nn.Parameter`` and ``nn.Module.register_parameter``; only calls that
 touch a recorded parameter are handled, everything else runs as usual.
