@@ -10,6 +10,8 @@ Fabric                             the Trainer strategy's code
 =================================  ===========================================================
 ``launch`` / process set-up        ``ParallelStrategy.setup_environment``: launch checks, mesh
 ``init_module(empty_init=True)``   ``tensor_init_context``: meta device, recorded values
+                                   (``reset_at_setup``: the modules' ``reset_parameters()``
+                                   recorded at setup too, as FSDP initialises a meta model)
 ``setup_module``                   ``ParallelStrategy.split`` (``compose.split_model``),
                                    ``hook_gradients`` (``GradientSynchronizer``); under PP
                                    a module whose call runs the schedule (``pipeline.py``)
@@ -35,9 +37,9 @@ Trainer's first step.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from datetime import timedelta
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Generator, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
@@ -58,6 +60,7 @@ from lightning_parallel.errors import ConfigurationError
 from lightning_parallel.fabric import checkpoint as fabric_checkpoint
 from lightning_parallel.fabric.optimizers import parameter_names, rebind
 from lightning_parallel.fabric.pipeline import PipelinedModule
+from lightning_parallel.strategy.empty_init import empty_parameters, reset_recorded
 from lightning_parallel.strategy.parallel import ParallelStrategy
 
 
@@ -69,6 +72,12 @@ class FabricParallelStrategy(_FabricParallelStrategy):
             torchrun does; nothing when they are started externally), ``"spawn"``, ``"fork"`` or
             ``"forkserver"``.
         timeout: timeout of collective operations.
+        reset_at_setup: a model built under ``init_module(empty_init=True)`` gets each module's
+            ``reset_parameters()`` at ``setup_module``, recorded and replayed for this rank's part
+            (``empty_init.reset_recorded``), as FSDP initialises a model built on the meta device;
+            construction itself draws no random numbers then (as Fabric's empty init on one device).
+            For loops written for FSDP, which skip that call themselves under it (LitGPT's
+            ``pretrain``): see ``standing_in_for_fsdp``.
         **options: the layout and its options (``tensor_parallel``, ``data_parallel``, ``zero_stage``,
             ``expert_parallel``, ``bucket_size_mb``, ``sequence_parallel``, ``tp_plan``, ...), exactly
             as ``ParallelStrategy`` (the Trainer's) takes them; see ``ParallelOptions``.
@@ -87,6 +96,7 @@ class FabricParallelStrategy(_FabricParallelStrategy):
         cluster_environment: Optional[ClusterEnvironment] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision: Optional[Precision] = None,
+        reset_at_setup: bool = False,
         **options: Any,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
@@ -98,11 +108,28 @@ class FabricParallelStrategy(_FabricParallelStrategy):
                                                           lost_rank_timeout=None, **options)
         self.engine.front_end = type(self).__name__  # refusals write their fixes as this class's arguments
         self._start_method = start_method
+        self._reset_at_setup = reset_at_setup
         self._num_nodes = 1
         self._module: Optional[nn.Module] = None  # the module set up (one per strategy)
         self._forward_module: Optional[nn.Module] = None  # what the loop calls: it, or its PipelinedModule
         self._sequence_split = ExitStack()  # context parallelism's split, from a call's start to its end
         self._backward_sync_control = _NoBackwardSync(self)
+
+    @classmethod
+    def standing_in_for_fsdp(cls, **options: Any) -> type["FabricParallelStrategy"]:
+        """A subclass that a script written for Fabric's ``FSDPStrategy`` can build in its place: it takes
+        (and ignores) FSDP's arguments, runs with ``options``, and initialises a model built on the meta
+        device as FSDP does (``reset_at_setup=True``). One line runs LitGPT's ``pretrain`` on it, whose
+        ``isinstance(fabric.strategy, FSDPStrategy)`` then holds::
+
+            litgpt.pretrain.FSDPStrategy = FabricParallelStrategy.standing_in_for_fsdp(zero_stage=3)
+        """
+        options = {"reset_at_setup": True, **options}
+
+        def __init__(self: FabricParallelStrategy, *fsdp_args: Any, **fsdp_options: Any) -> None:
+            cls.__init__(self, **options)
+
+        return type(f"{cls.__name__}ForFSDP", (cls,), {"__init__": __init__, "__module__": cls.__module__})
 
     # ---- what Fabric asks of a parallel strategy -------------------------------------------------
     @property
@@ -193,9 +220,19 @@ class FabricParallelStrategy(_FabricParallelStrategy):
         """``fabric.init_module(empty_init=True)``: parameters on the meta device, materialised by
         ``setup_module`` for this rank's shards only, with the values construction gave them (as under the
         Trainer's ``init_module``: ``strategy/empty_init.py``)."""
+        if empty_init and self._reset_at_setup:
+            return self._empty_init_for_reset()
         if empty_init:
             return self.engine.tensor_init_context(empty_init=True)
         return super().module_init_context(empty_init)
+
+    @contextmanager
+    def _empty_init_for_reset(self) -> Generator[None, None, None]:
+        """``init_module(empty_init=True)`` when ``reset_parameters()`` gives the values at setup: construction's
+        init calls are recorded without drawing random numbers, as Fabric's empty init on one device skips
+        them, so the draws of the reset come from the generator state one device has there."""
+        with empty_parameters(draws=False), self.precision.tensor_init_context():
+            yield
 
     @override
     def module_to_device(self, module: nn.Module) -> None:
@@ -210,6 +247,8 @@ class FabricParallelStrategy(_FabricParallelStrategy):
         if self._module is not None and self._module is not module:
             raise ValueError("FabricParallelStrategy sets up one model; build one strategy (one Fabric) per model")
         if self._module is None:
+            if self._reset_at_setup:
+                reset_recorded(module)
             engine.connect(module)
             module.register_forward_pre_hook(lambda *_: self._before_forward())
             engine.split(module)

@@ -57,6 +57,7 @@ from lightning_parallel.strategy.materialize import (
     materialize,
     on_host,
 )
+from lightning_parallel.strategy.whole_state_dict import accept_whole_state_dicts
 from lightning_parallel.tensor_parallel import parallelize
 
 if TYPE_CHECKING:
@@ -103,6 +104,7 @@ def split_model(strategy: "ParallelStrategy", module: Any) -> None:
     if strategy.pipeline is not None:
         strategy.pipeline.link.device = strategy.root_device
     if strategy.splits_parameters:
+        accept_whole_state_dicts(module, mesh.tp_rank, mesh.tp_size)  # load_state_dict of the unsplit model's
         strategy._split_module = weakref.ref(module)
         strategy.parameter_share = measured_share(module, strategy._unsplit_counts[""][0])
 

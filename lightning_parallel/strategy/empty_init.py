@@ -35,6 +35,10 @@ itself, which draws its values only then; one nothing set) is refused at constru
 device eager construction would have given them (the host), so their own random initialisation draws
 from the generator as there.
 
+Calls after construction (a model's init functions applied to the built model) are recorded the same
+way inside ``recording(model)``; ``reset_recorded(model)`` calls every module's ``reset_parameters()``
+so, as FSDP does with a model built on meta.
+
 Recording is done by a ``TorchFunctionMode`` that sees every torch call during construction and
 by the constructors of ``nn.Parameter`` and ``nn.Module.register_parameter``; only calls that
 touch a recorded parameter are handled, everything else runs as usual.
@@ -72,6 +76,7 @@ _COPIES = {Tensor.clone, Tensor.to, Tensor.type, Tensor.float, Tensor.double, Te
 # a new method-wrapper at each access: compared with ==
 _SET_DATA = Tensor.data.__set__
 _DEVICE = Tensor.device.__get__
+_IS_META = Tensor.is_meta.__get__
 _EMPTY = {torch.empty, torch.empty_like, torch.empty_strided, Tensor.new_empty}
 # calls that draw random numbers (nn.init functions and tensor methods)
 _RANDOM = {"normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
@@ -290,6 +295,8 @@ class _Recorder(TorchFunctionMode):
         history = history_of(param)
         if func == _DEVICE:
             return self._device_of(history)
+        if func == _IS_META and self.draws:  # init functions that skip meta tensors (trunc_normal_) run as on the host
+            return history.device == "meta"
         if func in _ALIASES and len(args) == 1:
             out = func(*args, **kwargs)
             self.aliases[id(out)] = (out, param, path)
@@ -510,3 +517,36 @@ def empty_parameters(draws: bool = True) -> Generator[None, None, None]:
     finally:
         nn.Module.register_parameter = register
         nn.Parameter.__new__ = new_parameter
+
+
+@contextmanager
+def recording(model: nn.Module) -> Generator[None, None, None]:
+    """Inside, in-place calls on ``model``'s parameters built under ``empty_parameters()`` are recorded
+    as construction's were (replayed by ``materialize.py``), so a model's init functions called after
+    construction (``model.apply(model._init_weights)``, ``reset_parameters()``) give their values too.
+    Random calls draw as they would have on the host, in the order they are made. Inside the build's own
+    ``empty_parameters()`` it adds nothing: that records already."""
+    if any(isinstance(mode, _Recorder) for mode in torch.overrides._get_current_function_mode_stack()):
+        yield
+        return
+    recorder = _Recorder(draws=True)
+    for param in model.parameters():
+        history = history_of(param)
+        if history is not None:
+            recorder.track(param, history)
+    with recorder, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter.*")
+        yield
+
+
+def reset_recorded(model: nn.Module) -> bool:
+    """Call every module's ``reset_parameters()`` (in ``model.modules()`` order) under ``recording``, when
+    ``model`` holds parameters built under ``empty_parameters()``: what FSDP does to a model built on the
+    meta device when it materialises it. Returns whether it did."""
+    if not any(history_of(p) is not None for p in model.parameters()):
+        return False
+    with recording(model):
+        for module in model.modules():
+            if callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+    return True

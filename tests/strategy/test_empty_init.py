@@ -172,3 +172,67 @@ def test_a_deep_copy_keeps_what_construction_recorded():
     copied = copy.deepcopy(meta)
     materialize(copied, UnsplitModel.of(copied), 0, 1, CPU, seed=0)
     _assert_same(eager, copied)
+
+
+def test_reset_parameters_after_construction_gets_the_values_it_gives_after_fabrics_empty_init():
+    """``reset_recorded`` (what ``FabricParallelStrategy(reset_at_setup=True)`` runs at setup): each module's
+    ``reset_parameters()``, overridden after construction as LitGPT's ``pretrain`` does, is recorded and
+    replayed; construction drew nothing, as under Fabric's empty init on one device."""
+    from lightning.fabric.utilities.init import _EmptyInit
+
+    from lightning_parallel.strategy.empty_init import reset_recorded
+
+    def make() -> nn.Module:
+        model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 10))
+        for layer in (model[0], model[1], model[3]):
+            layer.reset_parameters = lambda layer=layer: nn.init.normal_(layer.weight, std=0.5)
+        return model
+
+    torch.manual_seed(3)
+    with _EmptyInit(enabled=True):
+        eager = make()
+    for module in eager.modules():
+        if callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()
+    after_eager = torch.rand(4)
+    torch.manual_seed(3)
+    with empty_parameters(draws=False):
+        meta = make()
+    assert reset_recorded(meta)
+    assert torch.equal(torch.rand(4), after_eager), "the generator does not continue as after the eager reset"
+    materialize(meta, UnsplitModel.of(meta), 0, 1, CPU, seed=0)
+    for name in ("0.weight", "1.weight", "3.weight"):  # the biases keep construction's (undrawn, replayed) values
+        assert torch.equal(dict(meta.named_parameters())[name], dict(eager.named_parameters())[name]), name
+
+
+def test_init_functions_called_after_construction_inside_recording_get_their_eager_values():
+    """``model.apply(init)`` after the build: inside ``recording(model)`` it is recorded like construction (and
+    inside the build's own recording, nothing is recorded twice)."""
+    from lightning_parallel.strategy.empty_init import recording
+
+    def init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.trunc_normal_(module.weight, std=0.02)
+            nn.init.zeros_(module.bias)
+
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+
+    def built_inside() -> nn.Module:
+        model = make()
+        with recording(model):
+            model.apply(init)
+        return model
+
+    torch.manual_seed(3)
+    eager = make().apply(init)
+    after_eager = torch.rand(4)
+    torch.manual_seed(3)
+    with empty_parameters():
+        meta = make()
+    with recording(meta):
+        meta.apply(init)
+    assert torch.equal(torch.rand(4), after_eager), "the generator does not continue as after the eager init"
+    materialize(meta, UnsplitModel.of(meta), 0, 1, CPU, seed=0)
+    _assert_same(eager, meta)
+    _assert_same(*_eager_and_meta(built_inside))
