@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -134,15 +135,17 @@ def train_losses(run_dir: Path, version: int = 0) -> list[tuple[int, float]]:
         return [(int(r["step"]), float(r["train_loss"])) for r in csv.DictReader(f) if r.get("train_loss")]
 
 
-def check_trained(run_dir: Path, log: str, steps: int, versions: int = 1) -> None:
-    """The run (its ``versions`` log folders, one per start of the job) lowered the loss, saved its last
-    step and was checked by lp-plan before srun."""
+def check_trained(run_dir: Path, log: str, steps: Optional[int], versions: int = 1) -> None:
+    """The run (its ``versions`` log folders, one per start of the job) lowered the loss, saved a last
+    checkpoint (at step ``steps`` when given) and was checked by lp-plan before srun."""
     losses = [row for version in range(versions) for row in train_losses(run_dir, version)]
     assert losses[-1][1] < losses[0][1], f"loss did not fall: {losses}"
     last = run_dir / "checkpoints/last.ckpt"
     # a split model (TP or PP) writes a directory of shards whose meta.pt holds the loop state
     meta = last / "meta.pt" if last.is_dir() else last
-    assert torch.load(meta, map_location="cpu", weights_only=False)["global_step"] == steps
+    assert meta.exists()
+    if steps is not None:
+        assert torch.load(meta, map_location="cpu", weights_only=False)["global_step"] == steps
     assert "peak per device" in log  # lp-plan checked the layout before srun
 
 
@@ -265,4 +268,8 @@ def test_preempted_job_checkpoints_and_resumes_where_it_stopped(slurm, tmp_path)
     assert resumed and min(resumed) >= saved, f"resumed run logged steps {resumed}, saved at {saved}"
     assert max(resumed) == steps - 1  # logged every 5 steps, 0-based
     assert log.index(f"`max_steps={steps}` reached") > log.index("Restoring states")
-    check_trained(run_dir, log, steps, versions=2)  # the recipe as a whole: falling loss, the last checkpoint
+    # the recipe as a whole: a falling loss, a last checkpoint written after the resume (Lightning writes it
+    # at each validation: every 15 steps and at the epoch's end, so not necessarily at step 120)
+    check_trained(run_dir, log, steps=None, versions=2)
+    last = run_dir / "checkpoints/last.ckpt"
+    assert saved < torch.load(last, map_location="cpu", weights_only=False)["global_step"] <= steps

@@ -154,7 +154,7 @@ def one_device(replicas: int, per_rank: int, checkpoint: Optional[str] = None, *
     from lightning.fabric import Fabric
 
     data = counting_data()
-    loader = DataLoader(data, batch_sampler=ReplicaBatches(len(data), replicas, per_rank))
+    loader = DataLoader(data, batch_sampler=ReplicaBatches(len(data), replicas, per_rank, seed=0))  # train() seeds 0
     return train(Fabric(accelerator="cpu", devices=1), loader, checkpoint, **kwargs)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
@@ -75,10 +75,12 @@ class ReplicaBatches(Sampler):
     reference run reads batch k of every rank at once, so both runs see the same global batch.
     """
 
-    def __init__(self, n: int, replicas: int, per_rank_batch: int):
+    def __init__(self, n: int, replicas: int, per_rank_batch: int, seed: Optional[int] = None):
         self.n, self.replicas, self.per_rank = n, replicas, per_rank_batch
         self.epoch = 0
-        self.seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        # the sampler's seed: the one given (a loop that seeds after building its loader), else the
+        # global seed set so far in this process
+        self.seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) if seed is None else seed
 
     def __len__(self) -> int:
         return -(-self.n // self.replicas) // self.per_rank
