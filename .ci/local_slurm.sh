@@ -90,6 +90,10 @@ KillOnBadExit=1
 MailProg=/bin/true
 # keep finished jobs visible to squeue (and the sacct shim) for an hour
 MinJobAge=3600
+# a requeued job may start again once its old credential has expired (SLURM's default: 120 s); the
+# requeue tests wait for it rather than forcing an earlier start, which slurmd refuses
+# ("Job credential revoked")
+AuthInfo=cred_expire=10
 StateSaveLocation=${ROOT}/spool/ctld
 # %n is the node name: a spool folder, pid file and log per slurmd
 SlurmdSpoolDir=${ROOT}/spool/d-%n
